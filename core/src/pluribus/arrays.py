@@ -1,0 +1,150 @@
+"""Array helpers shared by the core and backends: device detection, checks, in-place reduction.
+
+Works for numpy and cupy without importing cupy: a cupy array is recognised by its type's module,
+and numpy's ufuncs dispatch to cupy through ``__array_ufunc__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .types import ReduceOp
+
+_BASE_DTYPES = {
+    np.dtype(t)
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.float16,
+        np.float32,
+        np.float64,
+    )
+}
+
+
+def bfloat16_dtype() -> np.dtype | None:
+    """numpy's bfloat16 from ml_dtypes, or None when ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def supported_dtypes() -> set[np.dtype]:
+    found = set(_BASE_DTYPES)
+    bf16 = bfloat16_dtype()
+    if bf16 is not None:
+        found.add(bf16)
+    return found
+
+
+def device_of(array: Any) -> str:
+    """"cuda" for a cupy array, "cpu" for anything numpy can see without a copy."""
+    module = type(array).__module__
+    if module.startswith("cupy"):
+        return "cuda"
+    return "cpu"
+
+
+def is_integer_like(dtype: np.dtype) -> bool:
+    return dtype.kind in "biu"
+
+
+def check_array(array: Any, what: str, rank: int, writable: bool = True) -> None:
+    """Refuse anything a backend cannot send in place, before anything is sent."""
+    if not hasattr(array, "dtype") or not hasattr(array, "flags"):
+        raise TypeError(
+            f"rank {rank}: {what} must be a numpy or cupy array, got {type(array).__name__}"
+        )
+    if not array.flags.c_contiguous:
+        raise ValueError(
+            f"rank {rank}: {what} is not contiguous (shape {array.shape}, strides "
+            f"{array.strides}); pass np.ascontiguousarray(x) and copy the result back"
+        )
+    if writable and not array.flags.writeable:
+        raise ValueError(
+            f"rank {rank}: {what} is read-only; collectives write their result in place, "
+            "pass a writable copy"
+        )
+    if np.dtype(array.dtype) not in supported_dtypes():
+        hint = " (install ml_dtypes for bfloat16)" if "bfloat16" in str(array.dtype) else ""
+        raise TypeError(
+            f"rank {rank}: dtype {array.dtype} of {what} is not supported; use one of bool, "
+            f"int8-int64, uint8, float16, float32, float64, bfloat16{hint}"
+        )
+
+
+def check_op(op: ReduceOp, dtype: Any, rank: int) -> None:
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"rank {rank}: op must be a pluribus.ReduceOp, got {op!r}")
+    dtype = np.dtype(dtype)
+    if op.bitwise and not is_integer_like(dtype):
+        raise TypeError(
+            f"rank {rank}: ReduceOp.{op.name} needs an integer or bool array, got {dtype}"
+        )
+    if op is ReduceOp.AVG and is_integer_like(dtype):
+        raise TypeError(
+            f"rank {rank}: ReduceOp.AVG needs a floating-point array, got {dtype}; reduce with "
+            "SUM and divide, or cast first"
+        )
+
+
+def _ufunc(op: ReduceOp, dtype: np.dtype):
+    if dtype == np.bool_:
+        table = {
+            ReduceOp.SUM: np.logical_or,
+            ReduceOp.PRODUCT: np.logical_and,
+            ReduceOp.MIN: np.logical_and,
+            ReduceOp.MAX: np.logical_or,
+            ReduceOp.BAND: np.logical_and,
+            ReduceOp.BOR: np.logical_or,
+            ReduceOp.BXOR: np.logical_xor,
+        }
+        return table[op]
+    return {
+        ReduceOp.SUM: np.add,
+        ReduceOp.AVG: np.add,
+        ReduceOp.PRODUCT: np.multiply,
+        ReduceOp.MIN: np.minimum,
+        ReduceOp.MAX: np.maximum,
+        ReduceOp.BAND: np.bitwise_and,
+        ReduceOp.BOR: np.bitwise_or,
+        ReduceOp.BXOR: np.bitwise_xor,
+    }[op]
+
+
+def reduce_into(dst: Any, src: Any, op: ReduceOp) -> None:
+    """``dst = op(dst, src)`` in place, elementwise. AVG accumulates a sum (divide at the end)."""
+    _ufunc(op, np.dtype(dst.dtype))(dst, src, out=dst)
+
+
+def finish_average(array: Any, op: ReduceOp, count: int) -> None:
+    """Turn the sum accumulated for AVG into the mean."""
+    if op is ReduceOp.AVG:
+        array /= count
+
+
+def flat(array: Any) -> Any:
+    """A 1-D view of a contiguous array (no copy)."""
+    return array.reshape(-1)
+
+
+def byte_view(array: Any) -> Any:
+    """The array's memory as a 1-D uint8 view (no copy)."""
+    return flat(array).view(np.uint8)
+
+
+def empty_like(array: Any) -> Any:
+    """An uninitialised array like ``array`` on the same device."""
+    if device_of(array) == "cuda":
+        import cupy
+
+        return cupy.empty_like(array)
+    return np.empty_like(array)

@@ -1,0 +1,134 @@
+"""The class a backend plugin implements.
+
+A backend is one rank's endpoint of a group of ``size`` ranks. ``send`` and ``recv`` are the
+required minimum; the core runs every collective over them with generic algorithms
+(``pluribus.algorithms``). A backend that has faster native collectives defines methods with the
+names and signatures below (``all_reduce``, ``broadcast``, ...); the core calls a native method
+when it exists and the generic algorithm otherwise. All ranks are group-local (0..size-1), all
+arrays are contiguous and already validated by the core, and every method blocks until done.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .errors import DistTimeoutError, PeerError
+
+# Tags from 0 up to USER_TAG_LIMIT belong to users' send/recv; the core's generic collectives use
+# tags at or above it, so a user's message never matches a collective's.
+USER_TAG_LIMIT = 1 << 24
+COLLECTIVE_TAG = USER_TAG_LIMIT
+
+
+class Backend:
+    """One rank's endpoint. Subclasses set ``name`` and implement ``send`` and ``recv``.
+
+    ``send`` may block until the receiver takes the message (rendezvous semantics are allowed), so
+    the generic algorithms exchange through ``sendrecv``, whose default runs the send on a helper
+    thread. Messages between one pair of ranks with one tag arrive in the order they were sent.
+    """
+
+    name = "backend"
+    #: Array devices this backend carries; a cupy array on a "cpu"-only backend is refused
+    #: unless host staging was asked for.
+    devices: tuple[str, ...] = ("cpu",)
+
+    def __init__(self, rank: int, size: int, timeout: float = 300.0):
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+
+    # -- required -----------------------------------------------------------------------------
+    def send(self, array: Any, dst: int, tag: int = 0) -> None:
+        """Send the contiguous ``array`` to rank ``dst``."""
+        raise NotImplementedError
+
+    def recv(self, array: Any, src: int, tag: int = 0) -> None:
+        """Receive into the contiguous ``array`` from rank ``src``; the sizes match."""
+        raise NotImplementedError
+
+    # -- optional -----------------------------------------------------------------------------
+    def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
+        """Send to ``dst`` and receive from ``src`` at once, so that rings cannot deadlock."""
+        if dst == self.rank and src == self.rank:
+            recv_array[...] = send_array
+            return
+        error: list[BaseException] = []
+
+        def _send() -> None:
+            try:
+                self.send(send_array, dst, tag)
+            except BaseException as exc:  # reported on the calling thread below
+                error.append(exc)
+
+        sender = threading.Thread(target=_send, name=f"pluribus-sendrecv-{self.rank}", daemon=True)
+        sender.start()
+        try:
+            self.recv(recv_array, src, tag)
+        finally:
+            sender.join(self.timeout)
+        if sender.is_alive():
+            raise DistTimeoutError(
+                f"rank {self.rank}: send to rank {dst} did not finish within {self.timeout:.0f}s"
+            )
+        if error:
+            raise error[0]
+
+    def new_subgroup(self, ranks: list[int], ctx: Any) -> Backend:
+        """Return a backend for the group of the given group-local ``ranks`` (this rank is in it).
+
+        ``ctx`` is a :class:`~pluribus.types.BackendContext` for the new group, with a store of its
+        own. The default reuses this backend's connections through a view that renumbers ranks
+        and shifts tags; backends with native communicators (MPI, NCCL) return a real one.
+        """
+        return SubgroupView(self, ranks, ctx.rank, tag_shift=_next_tag_shift(self))
+
+    def abort(self, reason: str) -> None:
+        """Stop every blocking call on this rank as soon as possible (after a failure)."""
+
+    def close(self) -> None:
+        """Release connections, segments and threads. Called once, on destroy."""
+
+
+_shift_lock = threading.Lock()
+
+
+def _next_tag_shift(parent: Backend) -> int:
+    with _shift_lock:
+        count = getattr(parent, "_pluribus_subgroups", 0) + 1
+        parent._pluribus_subgroups = count  # type: ignore[attr-defined]
+    return count << 40
+
+
+class SubgroupView(Backend):
+    """A sub-group carried over its parent's connections: ranks renumbered, tags shifted."""
+
+    def __init__(self, parent: Backend, ranks: list[int], rank: int, tag_shift: int):
+        super().__init__(rank, len(ranks), parent.timeout)
+        self.parent = parent
+        self.parent_ranks = list(ranks)
+        self.tag_shift = tag_shift
+        self.name = parent.name
+        self.devices = parent.devices
+
+    def send(self, array: Any, dst: int, tag: int = 0) -> None:
+        self.parent.send(array, self.parent_ranks[dst], tag + self.tag_shift)
+
+    def recv(self, array: Any, src: int, tag: int = 0) -> None:
+        try:
+            self.parent.recv(array, self.parent_ranks[src], tag + self.tag_shift)
+        except PeerError as exc:
+            raise PeerError(f"{exc} (sub-group rank {src})", exc.peer) from exc
+
+    def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
+        self.parent.sendrecv(
+            send_array,
+            self.parent_ranks[dst],
+            recv_array,
+            self.parent_ranks[src],
+            tag + self.tag_shift,
+        )
+
+    def new_subgroup(self, ranks: list[int], ctx: Any) -> Backend:
+        return self.parent.new_subgroup([self.parent_ranks[r] for r in ranks], ctx)

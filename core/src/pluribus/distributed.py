@@ -1,0 +1,615 @@
+"""The public collective API, in torch.distributed's names and conventions.
+
+``src``/``dst`` arguments are global ranks (as in torch.distributed); the hooks receive
+group-local ones. Every argument is checked here, on the calling rank, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+from .arrays import check_array, check_op, device_of
+from .backend import USER_TAG_LIMIT
+from .errors import NotInitializedError, PluribusError
+from .group import NON_GROUP_MEMBER, ProcessGroup
+from .plugins import default_backend, get_plugin_manager, resolve_backend
+from .store import DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
+from .types import BackendContext, ReduceOp
+from .work import Work
+
+_global_world: dict[str, Any] = {}
+_thread_world = threading.local()
+
+
+def _world() -> dict[str, Any]:
+    """The default group's state: per thread for ranks that are threads, else per process."""
+    local = getattr(_thread_world, "world", None)
+    return local if local is not None else _global_world
+
+
+def is_initialized() -> bool:
+    return "group" in _world()
+
+
+def _hook():
+    return get_plugin_manager().hook
+
+
+def _default_group() -> ProcessGroup:
+    world = _world()
+    if "group" not in world:
+        raise NotInitializedError(
+            "pluribus is not initialised in this process: call pluribus.init_process_group() "
+            "before any collective (pluribus-run sets the environment it needs)"
+        )
+    return world["group"]
+
+
+def _group(group: ProcessGroup | None) -> ProcessGroup:
+    if group is NON_GROUP_MEMBER:
+        raise ValueError(
+            "this rank is not a member of the group passed (new_group returned "
+            "NON_GROUP_MEMBER here); only members may call collectives on it"
+        )
+    group = _default_group() if group is None else group
+    if group.closed:
+        raise PluribusError(f"rank {group.global_rank}: group {group.name!r} was destroyed")
+    return group
+
+
+def _seconds(timeout: float | timedelta | None) -> float:
+    if timeout is None:
+        return float(os.environ.get("PLURIBUS_TIMEOUT", DEFAULT_TIMEOUT))
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def _parse_backend(backend: str | None) -> dict[str, str]:
+    """``"gloo"`` -> {"cpu": "gloo", ...}; ``"cpu:gloo,cuda:nccl"`` -> per-device names."""
+    if backend is None:
+        chosen = {"cpu": default_backend("cpu")}
+        try:
+            chosen["cuda"] = default_backend("cuda")
+        except PluribusError:
+            pass
+        return chosen
+    if ":" not in backend:
+        spec = resolve_backend(backend)
+        return {device: backend for device in spec.devices}
+    mapping: dict[str, str] = {}
+    for part in backend.split(","):
+        device, _, name = part.strip().partition(":")
+        if device not in ("cpu", "cuda") or not name:
+            raise ValueError(
+                f"backend string {backend!r}: expected 'name' or 'cpu:name,cuda:name', got "
+                f"{part!r}"
+            )
+        mapping[device] = name
+    return mapping
+
+
+def _rendezvous(
+    init_method: str | None, rank: int | None, world_size: int | None, timeout: float
+) -> tuple[Store, int, int]:
+    env = os.environ
+    if rank is None or rank < 0:
+        rank = int(env["RANK"]) if "RANK" in env else None
+    if world_size is None or world_size < 0:
+        world_size = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None
+    if rank is None or world_size is None:
+        raise ValueError(
+            "init_process_group needs rank and world_size: pass them, set RANK and WORLD_SIZE, "
+            "or start the job with pluribus-run"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+    url = urlparse(init_method or "env://")
+    if url.scheme == "env":
+        host = env.get("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env:
+            raise ValueError(
+                "init_method env:// needs MASTER_PORT (and MASTER_ADDR for several hosts); "
+                "pluribus-run sets both"
+            )
+        port = int(env["MASTER_PORT"])
+    elif url.scheme == "tcp":
+        host, port = url.hostname or "127.0.0.1", url.port or 0
+    elif url.scheme == "file":
+        return FileStore(url.path, timeout), rank, world_size
+    else:
+        raise ValueError(f"init_method {init_method!r}: use env://, tcp://host:port or file://path")
+    # The launcher may already serve the store; then rank 0 is a client like the others.
+    served = env.get("PLURIBUS_STORE_SERVED") == "1"
+    store = TCPStore(host, port, is_master=(rank == 0 and not served), timeout=timeout)
+    return store, rank, world_size
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: float | timedelta | None = None,
+    store: Store | None = None,
+    group_name: str = "world",
+    backend_options: dict[str, Any] | None = None,
+) -> ProcessGroup:
+    """Join the job: rendezvous through a store and create the default group's backends.
+
+    ``backend`` is a name ("gloo", "mpi", ...), ``"cpu:gloo,cuda:nccl"`` for one group that
+    carries both, or None for the best available. With ``store`` given, ``rank`` and
+    ``world_size`` are required and ``init_method`` is ignored.
+    """
+    in_thread = threading.current_thread() is not threading.main_thread()
+    world = (getattr(_thread_world, "world", None) or {}) if in_thread else _global_world
+    if "group" in world:
+        raise PluribusError(
+            f"rank {world['group'].global_rank}: init_process_group was already called in this "
+            "process; call destroy_process_group() first to start over"
+        )
+    seconds = _seconds(timeout)
+    mapping = _parse_backend(backend)  # unknown backends fail here, before any connection
+    for name in set(mapping.values()):
+        resolve_backend(name)
+    if store is None:
+        store, rank, world_size = _rendezvous(init_method, rank, world_size, seconds)
+        owns_store = True
+    else:
+        if rank is None or world_size is None:
+            raise ValueError("init_process_group(store=...) needs rank= and world_size=")
+        owns_store = False
+    group = _create_group(
+        group_name, list(range(world_size)), rank, mapping, store, seconds, backend_options or {}
+    )
+    if in_thread:
+        _thread_world.world = world
+    world.update(group=group, store=store, owns_store=owns_store, mapping=mapping)
+    return group
+
+
+def _create_group(
+    name: str,
+    ranks: list[int],
+    rank: int,
+    mapping: dict[str, str],
+    store: Store,
+    timeout: float,
+    options: dict[str, Any],
+) -> ProcessGroup:
+    backends: dict[str, Any] = {}
+    made: dict[str, Any] = {}
+    for device, backend_name in mapping.items():
+        if backend_name not in made:
+            spec = resolve_backend(backend_name)
+            ctx = BackendContext(
+                rank=rank,
+                size=len(ranks),
+                store=PrefixStore(f"{name}/{backend_name}", store),
+                timeout=timeout,
+                group_name=name,
+                device=device,
+                options=options,
+            )
+            made[backend_name] = spec.create(ctx)
+        backends[device] = made[backend_name]
+    group = ProcessGroup(name, ranks, rank, backends, timeout, store)
+    _hook().pluribus_group_created(group=group)
+    return group
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Close a group's backends; with no argument, the default group and its store."""
+    world = _world()
+    if group is None:
+        if "group" not in world:
+            return
+        default = world["group"]
+        for sub in world.get("subgroups", []):
+            _close_group(sub)
+        _close_group(default)
+        if world.get("owns_store"):
+            world["store"].close()
+        world.clear()
+        if world is getattr(_thread_world, "world", None):
+            _thread_world.world = None
+        return
+    if group is NON_GROUP_MEMBER:
+        return
+    _close_group(group)
+
+
+def _close_group(group: ProcessGroup) -> None:
+    if group.closed:
+        return
+    _hook().pluribus_group_destroyed(group=group)
+    group.close()
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank: global for the default group, group-local for another."""
+    return _group(group).rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    return _group(group).size
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    return _group(group).backend_name
+
+
+def get_default_group() -> ProcessGroup:
+    return _default_group()
+
+
+def new_group(
+    ranks: list[int] | None = None, timeout: float | timedelta | None = None
+) -> ProcessGroup | Any:
+    """A group of the given global ranks. Every rank of the world calls it, in the same order
+    (as in torch.distributed); ranks outside it get ``NON_GROUP_MEMBER``."""
+    parent = _default_group()
+    members = sorted(range(parent.size) if ranks is None else ranks)
+    if len(set(members)) != len(members) or any(not 0 <= r < parent.size for r in members):
+        raise ValueError(
+            f"rank {parent.global_rank}: new_group ranks {ranks} must be distinct ranks of the "
+            f"world 0..{parent.size - 1}"
+        )
+    name = parent.next_subgroup_name()
+    if parent.global_rank not in members:
+        return NON_GROUP_MEMBER
+    seconds = parent.timeout if timeout is None else _seconds(timeout)
+    local = members.index(parent.global_rank)
+    backends: dict[str, Any] = {}
+    made: dict[int, Any] = {}
+    for device, backend in parent.backends.items():
+        if id(backend) not in made:
+            ctx = BackendContext(
+                rank=local,
+                size=len(members),
+                store=PrefixStore(f"{name}/{backend.name}", parent.store),
+                timeout=seconds,
+                group_name=name,
+                device=device,
+            )
+            made[id(backend)] = backend.new_subgroup(members, ctx)
+        backends[device] = made[id(backend)]
+    group = ProcessGroup(name, members, local, backends, seconds, parent.store, parent.gpu_staging)
+    _world().setdefault("subgroups", []).append(group)
+    _hook().pluribus_group_created(group=group)
+    return group
+
+
+# -- argument checks ------------------------------------------------------------------------------
+
+
+def _check_same(array: Any, other: Any, what: str, rank: int) -> None:
+    check_array(other, what, rank)
+    if np.dtype(other.dtype) != np.dtype(array.dtype):
+        raise TypeError(f"rank {rank}: {what} has dtype {other.dtype}, expected {array.dtype}")
+    if device_of(other) != device_of(array):
+        raise TypeError(f"rank {rank}: {what} is on {device_of(other)}, the input on "
+                        f"{device_of(array)}")
+
+
+def _split_rows(array: Any, size: int, rows: int | None = None) -> list[Any]:
+    """``size`` contiguous views of equal blocks of rows of ``array``."""
+    per = array.shape[0] // size if rows is None else rows
+    return [array[i * per : (i + 1) * per] for i in range(size)]
+
+
+def _split_by(array: Any, sizes: list[int]) -> list[Any]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(array[start : start + n])
+        start += n
+    return out
+
+
+def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> None:
+    check_op(op, array.dtype, g.global_rank)
+    backend = g.backend_for(array)
+    reason = getattr(backend, "unsupported", lambda dtype, op: None)(np.dtype(array.dtype), op)
+    if reason:
+        raise TypeError(f"rank {g.global_rank}: backend {backend.name!r}: {reason}")
+
+
+# -- collectives ----------------------------------------------------------------------------------
+
+
+def all_reduce(
+    array: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``array`` across the group, in place on every rank."""
+    g = _group(group)
+    check_array(array, "array", g.global_rank)
+    _check_backend_op(g, array, op)
+    work = _hook().pluribus_all_reduce(group=g, array=array, op=op, async_op=async_op)
+    return work if async_op else None
+
+
+def broadcast(
+    array: Any, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Copy rank ``src``'s ``array`` into ``array`` on every rank."""
+    g = _group(group)
+    check_array(array, "array", g.global_rank)
+    g.backend_for(array)
+    local = g.group_rank(src, "src")
+    work = _hook().pluribus_broadcast(group=g, array=array, src=local, async_op=async_op)
+    return work if async_op else None
+
+
+def reduce(
+    array: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``array`` across the group into rank ``dst``'s ``array``; others keep theirs."""
+    g = _group(group)
+    check_array(array, "array", g.global_rank)
+    _check_backend_op(g, array, op)
+    local = g.group_rank(dst, "dst")
+    work = _hook().pluribus_reduce(group=g, array=array, dst=local, op=op, async_op=async_op)
+    return work if async_op else None
+
+
+def all_gather(
+    output: Any, array: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Gather every rank's ``array`` on every rank.
+
+    ``output`` is a list of one array per rank (their sizes may differ between ranks), or one
+    array of ``size`` times ``array``'s rows (torch's ``all_gather_into_tensor``).
+    """
+    g = _group(group)
+    r = g.global_rank
+    check_array(array, "array", r, writable=False)
+    g.backend_for(array)
+    if isinstance(output, (list, tuple)):
+        outputs = list(output)
+        if len(outputs) != g.size:
+            raise ValueError(f"rank {r}: all_gather output list has {len(outputs)} arrays, "
+                             f"the group has {g.size} ranks")
+        for i, o in enumerate(outputs):
+            _check_same(array, o, f"output[{i}]", r)
+        if outputs[g.rank].size != array.size:
+            raise ValueError(f"rank {r}: output[{g.rank}] has {outputs[g.rank].size} elements, "
+                             f"this rank's input {array.size}")
+    else:
+        _check_same(array, output, "output", r)
+        if output.size != array.size * g.size:
+            raise ValueError(
+                f"rank {r}: all_gather output has {output.size} elements, expected "
+                f"{g.size} x {array.size} = {g.size * array.size}"
+            )
+        flat_out = output.reshape(-1)
+        outputs = [flat_out[i * array.size : (i + 1) * array.size] for i in range(g.size)]
+    work = _hook().pluribus_all_gather(group=g, outputs=outputs, array=array, async_op=async_op)
+    return work if async_op else None
+
+
+all_gather_into_tensor = all_gather
+
+
+def reduce_scatter(
+    output: Any, input: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce across the group and leave block ``rank`` of the result in ``output``.
+
+    ``input`` is a list of one array per rank (block ``i`` goes to rank ``i``; sizes may differ)
+    or one array of ``size`` times ``output``'s elements.
+    """
+    g = _group(group)
+    r = g.global_rank
+    check_array(output, "output", r)
+    _check_backend_op(g, output, op)
+    if isinstance(input, (list, tuple)):
+        inputs = list(input)
+        if len(inputs) != g.size:
+            raise ValueError(f"rank {r}: reduce_scatter input list has {len(inputs)} arrays, "
+                             f"the group has {g.size} ranks")
+        for i, x in enumerate(inputs):
+            _check_same(output, x, f"input[{i}]", r)
+        if inputs[g.rank].size != output.size:
+            raise ValueError(f"rank {r}: input[{g.rank}] has {inputs[g.rank].size} elements but "
+                             f"output has {output.size}")
+    else:
+        _check_same(output, input, "input", r)
+        if input.size != output.size * g.size:
+            raise ValueError(
+                f"rank {r}: reduce_scatter input has {input.size} elements, expected "
+                f"{g.size} x {output.size} = {g.size * output.size}"
+            )
+        flat_in = input.reshape(-1)
+        inputs = [flat_in[i * output.size : (i + 1) * output.size] for i in range(g.size)]
+    work = _hook().pluribus_reduce_scatter(
+        group=g, output=output, inputs=inputs, op=op, async_op=async_op
+    )
+    return work if async_op else None
+
+
+reduce_scatter_tensor = reduce_scatter
+
+
+def all_to_all(
+    outputs: list[Any], inputs: list[Any], group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Send ``inputs[j]`` to rank ``j``; receive rank ``j``'s array into ``outputs[j]``."""
+    g = _group(group)
+    r = g.global_rank
+    if len(outputs) != g.size or len(inputs) != g.size:
+        raise ValueError(f"rank {r}: all_to_all needs {g.size} inputs and outputs, got "
+                         f"{len(inputs)} and {len(outputs)}")
+    check_array(inputs[0], "inputs[0]", r, writable=False)
+    g.backend_for(inputs[0])
+    for i in range(g.size):
+        _check_same(inputs[0], inputs[i], f"inputs[{i}]", r)
+        _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
+    if outputs[g.rank].size != inputs[g.rank].size:
+        raise ValueError(f"rank {r}: outputs[{g.rank}] and inputs[{g.rank}] differ in size")
+    work = _hook().pluribus_all_to_all(group=g, outputs=list(outputs), inputs=list(inputs),
+                                       async_op=async_op)
+    return work if async_op else None
+
+
+def all_to_all_single(
+    output: Any, input: Any, output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """All-to-all on rows of single arrays; split sizes (in rows) may differ per rank."""
+    g = _group(group)
+    r = g.global_rank
+    check_array(input, "input", r, writable=False)
+    _check_same(input, output, "output", r)
+    splits = {}
+    for what, arr, sizes in (("input", input, input_split_sizes),
+                              ("output", output, output_split_sizes)):
+        rows = arr.shape[0] if arr.ndim else 1
+        if sizes is None:
+            if rows % g.size:
+                raise ValueError(f"rank {r}: {what} has {rows} rows, not divisible by the group "
+                                 f"size {g.size}; pass {what}_split_sizes")
+            sizes = [rows // g.size] * g.size
+        sizes = list(sizes)
+        if len(sizes) != g.size or sum(sizes) != rows or any(s < 0 for s in sizes):
+            raise ValueError(f"rank {r}: {what}_split_sizes {sizes} must be {g.size} "
+                             f"non-negative numbers adding up to the {rows} rows of {what}")
+        splits[what] = _split_by(arr, sizes)
+    return all_to_all(splits["output"], splits["input"], group=g, async_op=async_op)
+
+
+def gather(
+    array: Any, gather_list: list[Any] | None = None, dst: int = 0,
+    group: ProcessGroup | None = None, async_op: bool = False,
+) -> Work | None:
+    g = _group(group)
+    r = g.global_rank
+    check_array(array, "array", r, writable=False)
+    g.backend_for(array)
+    local = g.group_rank(dst, "dst")
+    if g.rank == local:
+        if gather_list is None or len(gather_list) != g.size:
+            raise ValueError(f"rank {r}: gather on the destination rank needs gather_list with "
+                             f"{g.size} arrays")
+        for i, o in enumerate(gather_list):
+            _check_same(array, o, f"gather_list[{i}]", r)
+        gather_list = list(gather_list)
+    elif gather_list is not None:
+        raise ValueError(f"rank {r}: gather_list must be None on ranks other than dst={dst}")
+    work = _hook().pluribus_gather(group=g, array=array, outputs=gather_list, dst=local,
+                                   async_op=async_op)
+    return work if async_op else None
+
+
+def scatter(
+    array: Any, scatter_list: list[Any] | None = None, src: int = 0,
+    group: ProcessGroup | None = None, async_op: bool = False,
+) -> Work | None:
+    g = _group(group)
+    r = g.global_rank
+    check_array(array, "array", r)
+    g.backend_for(array)
+    local = g.group_rank(src, "src")
+    if g.rank == local:
+        if scatter_list is None or len(scatter_list) != g.size:
+            raise ValueError(f"rank {r}: scatter on the source rank needs scatter_list with "
+                             f"{g.size} arrays")
+        for i, x in enumerate(scatter_list):
+            check_array(x, f"scatter_list[{i}]", r, writable=False)
+            if np.dtype(x.dtype) != np.dtype(array.dtype):
+                raise TypeError(f"rank {r}: scatter_list[{i}] has dtype {x.dtype}, expected "
+                                f"{array.dtype}")
+        if scatter_list[local].size != array.size:
+            raise ValueError(f"rank {r}: scatter_list[{local}] does not match the output size")
+        scatter_list = list(scatter_list)
+    elif scatter_list is not None:
+        raise ValueError(f"rank {r}: scatter_list must be None on ranks other than src={src}")
+    work = _hook().pluribus_scatter(group=g, array=array, inputs=scatter_list, src=local,
+                                    async_op=async_op)
+    return work if async_op else None
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    g = _group(group)
+    work = _hook().pluribus_barrier(group=g, async_op=async_op)
+    return work if async_op else None
+
+
+def _peer(g: ProcessGroup, peer: int, what: str, tag: int) -> int:
+    local = g.group_rank(peer, what)
+    if local == g.rank:
+        raise ValueError(f"rank {g.global_rank}: {what}={peer} is this rank itself; point-to-point "
+                         "operations need another rank")
+    if not 0 <= tag < USER_TAG_LIMIT:
+        raise ValueError(f"rank {g.global_rank}: tag {tag} must be in [0, {USER_TAG_LIMIT})")
+    return local
+
+
+def send(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
+    g = _group(group)
+    check_array(array, "array", g.global_rank, writable=False)
+    g.backend_for(array)
+    _hook().pluribus_send(group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag,
+                          async_op=False)
+
+
+def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
+    g = _group(group)
+    check_array(array, "array", g.global_rank)
+    g.backend_for(array)
+    _hook().pluribus_recv(group=g, array=array, src=_peer(g, src, "src", tag), tag=tag,
+                          async_op=False)
+    return src
+
+
+def isend(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
+    g = _group(group)
+    check_array(array, "array", g.global_rank, writable=False)
+    g.backend_for(array)
+    return _hook().pluribus_send(group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag,
+                                 async_op=True)
+
+
+def irecv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
+    g = _group(group)
+    check_array(array, "array", g.global_rank)
+    g.backend_for(array)
+    return _hook().pluribus_recv(group=g, array=array, src=_peer(g, src, "src", tag), tag=tag,
+                                 async_op=True)
+
+
+# -- small Python objects -------------------------------------------------------------------------
+
+
+def broadcast_object(obj: Any = None, src: int = 0, group: ProcessGroup | None = None) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (pickled; for small objects, not arrays)."""
+    g = _group(group)
+    is_src = g.global_rank == src
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_src else None
+    length = np.array([payload.size if is_src else 0], dtype=np.int64)
+    broadcast(length, src, g)
+    buf = payload.copy() if is_src else np.empty(int(length[0]), dtype=np.uint8)
+    broadcast(buf, src, g)
+    return obj if is_src else pickle.loads(buf.tobytes())
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (pickled; for small objects)."""
+    g = _group(group)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy()
+    lengths = np.zeros(g.size, dtype=np.int64)
+    all_gather(lengths, np.array([payload.size], dtype=np.int64), g)
+    outputs = [np.empty(int(n), dtype=np.uint8) for n in lengths]
+    all_gather(outputs, payload, g)
+    return [pickle.loads(o.tobytes()) for o in outputs]

@@ -1,0 +1,194 @@
+"""ProcessGroup: the user-facing handle of a set of ranks, their backends and their work queue."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Any, Callable
+
+from .arrays import device_of
+from .backend import Backend
+from .errors import PluribusError
+from .store import Store
+from .work import CompletedWork, FutureWork, Work
+
+GPU_STAGING_ENV = "PLURIBUS_GPU_STAGING"
+
+
+class ProcessGroup:
+    """Ranks that run collectives together.
+
+    ``ranks`` are the members' global ranks, ``rank`` is this process's rank within the group.
+    ``backends`` maps a device ("cpu", "cuda") to the backend that carries its arrays, so one
+    group can send numpy arrays through gloo and cupy arrays through NCCL. Operations on one
+    group complete in the order issued: asynchronous ones run on the group's worker thread, and a
+    synchronous one runs at once only when nothing is queued before it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ranks: list[int],
+        rank: int,
+        backends: dict[str, Backend],
+        timeout: float,
+        store: Store,
+        gpu_staging: bool | None = None,
+    ):
+        self.name = name
+        self.ranks = list(ranks)
+        self.rank = rank
+        self.size = len(ranks)
+        self.backends = backends
+        self.timeout = timeout
+        self.store = store
+        if gpu_staging is None:
+            gpu_staging = os.environ.get(GPU_STAGING_ENV, "") not in ("", "0")
+        self.gpu_staging = gpu_staging
+        self.closed = False
+        self._lock = threading.Lock()
+        self._lanes: dict[Any, _Lane] = {}
+        self._subgroups = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroup(name={self.name!r}, rank={self.rank}, size={self.size}, "
+            f"backend={self.backend_name!r})"
+        )
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    @property
+    def backend_name(self) -> str:
+        names = {f"{dev}:{b.name}" for dev, b in self.backends.items()}
+        if len({b.name for b in self.backends.values()}) == 1:
+            return next(iter(self.backends.values())).name
+        return ",".join(sorted(names))
+
+    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+        """The group-local rank of ``global_rank``; a clear error when it is not a member."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(
+                f"rank {self.global_rank}: {what}={global_rank} is not a member of group "
+                f"{self.name!r} (its global ranks are {self.ranks})"
+            ) from None
+
+    def backend_for(self, array: Any) -> Backend:
+        """The backend that carries ``array``; with host staging, the cpu one for a cupy array."""
+        device = device_of(array)
+        backend = self.backends.get(device)
+        if backend is not None:
+            return backend
+        if device == "cuda" and self.gpu_staging and "cpu" in self.backends:
+            return self.backends["cpu"]
+        carried = ", ".join(f"{d} ({b.name})" for d, b in self.backends.items())
+        hint = (
+            f"set {GPU_STAGING_ENV}=1 to copy through host memory, or create the group with "
+            'backend="cpu:gloo,cuda:nccl" to send cupy arrays through NCCL'
+            if device == "cuda"
+            else 'create the group with backend="cpu:gloo,cuda:nccl" to carry numpy arrays too'
+        )
+        raise TypeError(
+            f"rank {self.global_rank}: group {self.name!r} carries only {carried} arrays, got a "
+            f"{device} array; {hint}"
+        )
+
+    def submit(
+        self, fn: Callable[[], Any], async_op: bool, description: str, lane: Any = "collectives"
+    ) -> Work:
+        """Run ``fn`` after every operation issued before it on the same ``lane``.
+
+        Collectives share one lane; point-to-point operations get a lane per direction and peer,
+        so that ``isend`` to a peer and ``recv`` from it do not wait on each other.
+        """
+        if self.closed:
+            raise PluribusError(f"rank {self.global_rank}: group {self.name!r} was destroyed")
+        with self._lock:
+            queue_ = self._lanes.get(lane)
+            if queue_ is None:
+                queue_ = self._lanes[lane] = _Lane(f"pluribus-{self.name}-{lane}")
+        return queue_.submit(fn, async_op, f"rank {self.global_rank}: {description}", self.timeout)
+
+    def next_subgroup_name(self) -> str:
+        with self._lock:
+            self._subgroups += 1
+            return f"{self.name}.{self._subgroups}"
+
+    def close(self) -> None:
+        """Finish queued work, then close this group's backends (not the store)."""
+        if self.closed:
+            return
+        self.closed = True
+        for lane in list(self._lanes.values()):
+            lane.close(self.timeout)
+        seen: set[int] = set()
+        for backend in self.backends.values():
+            if id(backend) not in seen:
+                seen.add(id(backend))
+                backend.close()
+
+
+class _Lane:
+    """An ordered queue of operations with a worker thread started on first use."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.lock = threading.Lock()
+        self.exec_lock = threading.Lock()
+        self.pending = 0
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any], async_op: bool, description: str, timeout: float):
+        with self.lock:
+            inline = not async_op and self.pending == 0
+            if not inline:
+                self.pending += 1
+                work = FutureWork(description, timeout)
+                self.queue.put((fn, work))
+                if self.worker is None:
+                    self.worker = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self.worker.start()
+        if inline:
+            with self.exec_lock:
+                return CompletedWork(fn())
+        if not async_op:
+            work.wait()
+        return work
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            fn, work = item
+            try:
+                with self.exec_lock:
+                    value = fn()
+            except BaseException as exc:
+                work.set_exception(exc)
+            else:
+                work.set_result(value)
+            finally:
+                with self.lock:
+                    self.pending -= 1
+
+    def close(self, timeout: float) -> None:
+        if self.worker is not None:
+            self.queue.put(None)
+            self.worker.join(timeout)
+
+
+class _NonMember:
+    """What ``new_group`` returns on ranks outside the group; every collective refuses it."""
+
+    def __repr__(self) -> str:
+        return "NON_GROUP_MEMBER"
+
+
+NON_GROUP_MEMBER = _NonMember()

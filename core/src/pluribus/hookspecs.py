@@ -1,0 +1,256 @@
+"""Every hook pluribus defines. Plugins implement them with :data:`pluribus.hookimpl`.
+
+Two families:
+
+* **Backends**: ``pluribus_backends`` yields :class:`~pluribus.types.BackendSpec` records, and
+  ``pluribus_probe_backend`` says whether one can run here.
+* **Collectives**: one ``firstresult`` hook per operation, each returning a
+  :class:`~pluribus.work.Work`. The core's own implementation is a ``trylast`` plugin that calls
+  the backend's native method when it has one and a generic algorithm over send/recv otherwise.
+  A plugin may take over an operation for its own backend (return a Work, or ``None`` to pass),
+  or wrap every call with ``@hookimpl(wrapper=True)`` for tracing, checks or compression.
+
+In the collective hooks ranks (``src``, ``dst``) are group-local, ``group`` is the
+:class:`~pluribus.group.ProcessGroup`, and the arguments have been validated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+    from .types import Availability, BackendSpec, ReduceOp
+    from .work import Work
+
+PROJECT = "pluribus"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# -- backends -------------------------------------------------------------------------------------
+
+
+@hookspec
+def pluribus_backends() -> Iterable[BackendSpec]:
+    """Return (or yield) the backends this plugin offers.
+
+    Example, a complete plugin module named by the entry point ``[project.entry-points.pluribus]
+    loopback = "loopback_plugin"``::
+
+        from pluribus import Availability, Backend, BackendSpec, hookimpl
+
+        class LoopbackBackend(Backend):
+            name = "loopback"
+            def send(self, array, dst, tag=0): ...
+            def recv(self, array, src, tag=0): ...
+
+        @hookimpl
+        def pluribus_backends():
+            yield BackendSpec(
+                name="loopback",
+                create=lambda ctx: LoopbackBackend(ctx.rank, ctx.size, ctx.timeout),
+                probe=lambda: Availability(True, version="1.0"),
+                description="example backend",
+            )
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_probe_backend(spec: BackendSpec) -> Availability | None:
+    """Say whether ``spec`` can run here. The default calls ``spec.probe()``; never raise.
+
+    Example, a site plugin that forbids MPI on login nodes::
+
+        @hookimpl
+        def pluribus_probe_backend(spec):
+            if spec.name == "mpi" and socket.gethostname().startswith("login"):
+                return Availability(False, "login node", "submit the job with sbatch")
+    """
+
+
+# -- group life cycle ----------------------------------------------------------------------------
+
+
+@hookspec
+def pluribus_group_created(group: ProcessGroup) -> None:
+    """Called on every member rank after a process group is ready.
+
+    Example, log every group::
+
+        @hookimpl
+        def pluribus_group_created(group):
+            print(f"group {group.name}: rank {group.rank} of {group.size} on {group.backend_name}")
+    """
+
+
+@hookspec
+def pluribus_group_destroyed(group: ProcessGroup) -> None:
+    """Called before a group's backends are closed.
+
+    Example::
+
+        @hookimpl
+        def pluribus_group_destroyed(group):
+            my_stats.pop(group.name, None)
+    """
+
+
+# -- collectives ----------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pluribus_all_reduce(group: ProcessGroup, array: Any, op: ReduceOp, async_op: bool) -> Work:
+    """Reduce ``array`` across the group, in place on every rank.
+
+    Example, a wrapper that counts bytes reduced::
+
+        @hookimpl(wrapper=True)
+        def pluribus_all_reduce(group, array, op, async_op):
+            stats["all_reduce_bytes"] += array.nbytes
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_broadcast(group: ProcessGroup, array: Any, src: int, async_op: bool) -> Work:
+    """Copy ``array`` of rank ``src`` into ``array`` on every rank.
+
+    Example, a backend taking over broadcast for its own groups::
+
+        @hookimpl
+        def pluribus_broadcast(group, array, src, async_op):
+            if not isinstance(group.backend_for(array), MyBackend):
+                return None
+            return group.submit(lambda: my_bcast(array, src), async_op, "broadcast")
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_reduce(
+    group: ProcessGroup, array: Any, dst: int, op: ReduceOp, async_op: bool
+) -> Work:
+    """Reduce ``array`` across the group into ``array`` on rank ``dst``; other ranks keep
+    their input unchanged.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_reduce(group, array, dst, op, async_op):
+            print("reduce to", dst)
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_all_gather(
+    group: ProcessGroup, outputs: list[Any], array: Any, async_op: bool
+) -> Work:
+    """Gather every rank's ``array`` into ``outputs[rank]`` on every rank (sizes may differ).
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_all_gather(group, outputs, array, async_op):
+            assert len(outputs) == group.size
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_reduce_scatter(
+    group: ProcessGroup, output: Any, inputs: list[Any], op: ReduceOp, async_op: bool
+) -> Work:
+    """Reduce ``inputs[i]`` across the group into ``output`` on rank ``i``.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_reduce_scatter(group, output, inputs, op, async_op):
+            log.debug("reduce_scatter %s", output.shape)
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_all_to_all(
+    group: ProcessGroup, outputs: list[Any], inputs: list[Any], async_op: bool
+) -> Work:
+    """Send ``inputs[j]`` to rank ``j`` and receive rank ``j``'s into ``outputs[j]``.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_all_to_all(group, outputs, inputs, async_op):
+            sent = sum(x.nbytes for x in inputs)
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_gather(
+    group: ProcessGroup, array: Any, outputs: list[Any] | None, dst: int, async_op: bool
+) -> Work:
+    """Gather every rank's ``array`` into ``outputs`` on rank ``dst`` (``None`` elsewhere).
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_gather(group, array, outputs, dst, async_op):
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_scatter(
+    group: ProcessGroup, array: Any, inputs: list[Any] | None, src: int, async_op: bool
+) -> Work:
+    """Copy ``inputs[i]`` of rank ``src`` into ``array`` on rank ``i``.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_scatter(group, array, inputs, src, async_op):
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_barrier(group: ProcessGroup, async_op: bool) -> Work:
+    """Return once every rank of the group has entered the barrier.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_barrier(group, async_op):
+            t = time.perf_counter()
+            work = yield
+            print("barrier took", time.perf_counter() - t)
+            return work
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_send(group: ProcessGroup, array: Any, dst: int, tag: int, async_op: bool) -> Work:
+    """Send ``array`` to rank ``dst`` with ``tag``.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_send(group, array, dst, tag, async_op):
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_recv(group: ProcessGroup, array: Any, src: int, tag: int, async_op: bool) -> Work:
+    """Receive into ``array`` from rank ``src`` with ``tag``.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def pluribus_recv(group, array, src, tag, async_op):
+            return (yield)
+    """

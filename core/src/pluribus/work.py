@@ -1,0 +1,95 @@
+"""Handles for operations in flight (torch.distributed's ``Work``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from .errors import DistTimeoutError
+
+
+class Work:
+    """An operation that may still be running. ``wait`` raises the operation's error, if any."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        self.wait()
+        return None
+
+
+class CompletedWork(Work):
+    """A Work for an operation that already finished (synchronous calls return one)."""
+
+    def __init__(self, value: Any = None):
+        self._value = value
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def result(self) -> Any:
+        return self._value
+
+
+class FutureWork(Work):
+    """A Work completed by another thread through ``set_result`` or ``set_exception``."""
+
+    def __init__(self, description: str = "operation", default_timeout: float | None = None):
+        self.description = description
+        self.default_timeout = default_timeout
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._value: Any = None
+        self._callbacks: list[Callable[[FutureWork], None]] = []
+        self._lock = threading.Lock()
+
+    def set_result(self, value: Any = None) -> None:
+        self._value = value
+        self._finish()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def add_done_callback(self, callback: Callable[[FutureWork], None]) -> None:
+        """Call ``callback(work)`` when the work finishes (at once if it already has)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        limit = self.default_timeout if timeout is None else timeout
+        if not self._done.wait(limit):
+            raise DistTimeoutError(f"{self.description} did not complete within {limit:.1f}s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
