@@ -1,0 +1,242 @@
+"""The module protocol the parallel layers accept, and its base class.
+
+A module is anything with named parameters (objects with ``.data`` and ``.grad`` arrays), a
+``forward`` that remembers what its ``backward`` needs, and a ``backward`` that adds to every
+parameter's ``.grad`` and returns the gradient with respect to the input. Parameters announce
+that their gradient is complete through :meth:`Parameter.accumulate_grad`, which runs the hooks
+that :class:`~pluribus.parallel.DistributedDataParallel` registers: that is what lets gradient
+communication start while the rest of backward still runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+GradHook = Callable[["Parameter"], None]
+
+
+def array_namespace(array: Any) -> Any:
+    """numpy or cupy, whichever ``array`` belongs to (cupy is imported only for cupy arrays)."""
+    if type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+class RemovableHandle:
+    """Returned by hook registrations; ``remove()`` unregisters the hook."""
+
+    def __init__(self, hooks: list, hook: Any):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class Parameter:
+    """A trainable array and its gradient (``None`` until the first backward)."""
+
+    def __init__(self, data: Any):
+        self.data = data
+        self.grad: Any = None
+        self._grad_hooks: list[GradHook] = []
+
+    def __repr__(self) -> str:
+        return f"Parameter(shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def accumulate_grad(self, grad: Any) -> None:
+        """Add ``grad`` to ``.grad``, then tell the registered hooks it is there.
+
+        Layers call this once per backward for each parameter they use; a framework adapting its
+        own modules to the protocol calls it too (or, at least, fills ``.grad``: DDP then reduces
+        after backward returns, without overlap).
+        """
+        if self.grad is None:
+            self.grad = grad.astype(self.data.dtype, copy=True).reshape(self.data.shape)
+        else:
+            self.grad += grad.reshape(self.data.shape)
+        for hook in list(self._grad_hooks):
+            hook(self)
+
+    def register_post_accumulate_grad_hook(self, hook: GradHook) -> RemovableHandle:
+        """Run ``hook(param)`` after each :meth:`accumulate_grad` (torch's name for it)."""
+        self._grad_hooks.append(hook)
+        return RemovableHandle(self._grad_hooks, hook)
+
+
+class Module:
+    """Base class: tracks parameters, buffers and sub-modules assigned as attributes.
+
+    Subclasses implement ``forward(x)`` and ``backward(grad_output) -> grad_input``. Buffers are
+    arrays that are state but not trained (running statistics); they are updated in place so
+    that DDP can broadcast them.
+    """
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_buffers", {})
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        elif name in self._buffers:
+            self._buffers[name] = value
+        object.__setattr__(self, name, value)
+
+    def register_buffer(self, name: str, array: Any) -> None:
+        self._buffers[name] = array
+        object.__setattr__(self, name, array)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, x: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward")
+
+    def backward(self, grad_output: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement backward")
+
+    # -- traversal ----------------------------------------------------------------------------
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        yield prefix, self
+        for name, child in self._modules.items():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def children(self) -> Iterator[Module]:
+        yield from self._modules.values()
+
+    def named_parameters(self) -> Iterator[tuple[str, Parameter]]:
+        """Every parameter once, in definition order, with its dotted name."""
+        seen: set[int] = set()
+        for prefix, module in self.named_modules():
+            for name, param in module._parameters.items():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield (f"{prefix}.{name}" if prefix else name), param
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self) -> Iterator[tuple[str, Any]]:
+        for prefix, module in self.named_modules():
+            for name, array in module._buffers.items():
+                yield (f"{prefix}.{name}" if prefix else name), array
+
+    # -- modes and gradients ------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> Module:
+        for _, module in self.named_modules():
+            object.__setattr__(module, "training", mode)
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.parameters():
+            if set_to_none or param.grad is None:
+                param.grad = None
+            else:
+                param.grad[...] = 0
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of every parameter and buffer, by dotted name."""
+        state = {name: p.data.copy() for name, p in self.named_parameters()}
+        state.update({name: b.copy() for name, b in self.named_buffers()})
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Copy arrays into the parameters and buffers in place (so optimizers keep theirs)."""
+        targets = {name: p.data for name, p in self.named_parameters()}
+        targets.update(dict(self.named_buffers()))
+        if strict:
+            missing = sorted(set(targets) - set(state))
+            unexpected = sorted(set(state) - set(targets))
+            if missing or unexpected:
+                raise KeyError(
+                    f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+                )
+        for name, target in targets.items():
+            if name not in state:
+                continue
+            value = state[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"load_state_dict: {name!r} has shape {tuple(value.shape)} in the state "
+                    f"but {tuple(target.shape)} in the module"
+                )
+            xp = array_namespace(target)
+            target[...] = xp.asarray(value, dtype=target.dtype)
+
+    def to(self, device: str | None = None, dtype: Any = None) -> Module:
+        """Move parameters and buffers to "cpu" (numpy) or "cuda" (cupy), and/or cast them."""
+
+        def convert(array: Any) -> Any:
+            if device == "cuda":
+                import cupy
+
+                array = cupy.asarray(array)
+            elif device == "cpu" and not isinstance(array, np.ndarray):
+                array = array.get()
+            if dtype is not None and array.dtype.kind == "f":
+                array = array.astype(dtype)
+            return array
+
+        for _, module in self.named_modules():
+            for param in module._parameters.values():
+                param.data = convert(param.data)
+                param.grad = None
+            for name, array in list(module._buffers.items()):
+                setattr(module, name, convert(array))
+        return self
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}("]
+        for name, child in self._modules.items():
+            lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
+        lines.append(")")
+        return "\n".join(lines) if self._modules else f"{type(self).__name__}()"
+
+
+class Sequential(Module):
+    """Modules applied one after another; backward runs them in reverse."""
+
+    def __init__(self, *layers: Module):
+        super().__init__()
+        for i, layer in enumerate(layers):
+            setattr(self, str(i), layer)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> Module:
+        return list(self._modules.values())[index]
+
+    def forward(self, x: Any) -> Any:
+        for layer in self._modules.values():
+            x = layer.forward(x)
+        return x
+
+    def backward(self, grad_output: Any) -> Any:
+        for layer in reversed(list(self._modules.values())):
+            grad_output = layer.backward(grad_output)
+        return grad_output

@@ -1,0 +1,460 @@
+"""The conformance checks. Each runs on every rank of a group, after ``init_process_group``, and
+raises AssertionError when the backend gets something wrong.
+
+Inputs are chosen so that every reduction is exact in every dtype (small integers, products of
+ones and twos), so results are compared exactly except for AVG.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import pluribus as pb
+from pluribus.arrays import bfloat16_dtype, is_integer_like
+from pluribus.errors import DistTimeoutError, PluribusError
+
+ReduceOp = pb.ReduceOp
+
+SIZES = (0, 1, 7, 1000, (1 << 20) + 3)  # the last is a little over 4 MiB of float32
+SMALL_SIZES = (0, 1, 7, 1000)
+
+
+def dtypes() -> list[np.dtype]:
+    found = [
+        np.dtype(t)
+        for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8)
+        + (np.float16, np.float32, np.float64)
+    ]
+    bf16 = bfloat16_dtype()
+    if bf16 is not None:
+        found.append(bf16)
+    return found
+
+
+def valid_ops(dtype: np.dtype) -> list[ReduceOp]:
+    if is_integer_like(dtype):
+        return [op for op in ReduceOp if op is not ReduceOp.AVG]
+    return [op for op in ReduceOp if not op.bitwise]
+
+
+def rank_input(rank: int, n: int, dtype: np.dtype, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+    """Rank ``rank``'s deterministic input: small values whose reductions are exact."""
+    i = np.arange(n)
+    if dtype == np.bool_:
+        return ((i + rank) % 3 == 0).astype(np.bool_)
+    if op is ReduceOp.PRODUCT:
+        return (1 + ((i + rank) % 2)).astype(dtype)
+    return ((i % 7) + rank + 1).astype(dtype)
+
+
+def expected_reduction(size: int, n: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
+    stack = np.stack([rank_input(r, n, dtype, op) for r in range(size)]) if size else None
+    if op is ReduceOp.AVG:
+        return (stack.astype(np.float64).sum(axis=0) / size).astype(dtype)
+    ufunc = {
+        ReduceOp.SUM: np.add,
+        ReduceOp.PRODUCT: np.multiply,
+        ReduceOp.MIN: np.minimum,
+        ReduceOp.MAX: np.maximum,
+        ReduceOp.BAND: np.bitwise_and,
+        ReduceOp.BOR: np.bitwise_or,
+        ReduceOp.BXOR: np.bitwise_xor,
+    }[op]
+    if dtype == np.bool_:
+        ufunc = {
+            ReduceOp.SUM: np.logical_or,
+            ReduceOp.PRODUCT: np.logical_and,
+            ReduceOp.MIN: np.logical_and,
+            ReduceOp.MAX: np.logical_or,
+            ReduceOp.BAND: np.logical_and,
+            ReduceOp.BOR: np.logical_or,
+            ReduceOp.BXOR: np.logical_xor,
+        }[op]
+    result = stack[0].copy()
+    for row in stack[1:]:
+        result = ufunc(result, row).astype(dtype)
+    return result
+
+
+def assert_equal(actual, expected, what: str) -> None:
+    dtype = np.dtype(expected.dtype)
+    if dtype.kind == "f" or dtype == bfloat16_dtype():
+        a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+        tol = 2e-2 if dtype.itemsize <= 2 else 1e-6
+        if not np.allclose(a, e, rtol=tol, atol=tol):
+            bad = np.flatnonzero(~np.isclose(a, e, rtol=tol, atol=tol))
+            raise AssertionError(
+                f"rank {pb.get_rank()}: {what}: {bad.size} wrong values, first at {bad[0]}: got "
+                f"{a.reshape(-1)[bad[0]]}, expected {e.reshape(-1)[bad[0]]}"
+            )
+    elif not np.array_equal(actual, expected):
+        bad = np.flatnonzero(np.asarray(actual).reshape(-1) != np.asarray(expected).reshape(-1))
+        raise AssertionError(
+            f"rank {pb.get_rank()}: {what}: {bad.size} wrong values, first at {bad[0]}: got "
+            f"{np.asarray(actual).reshape(-1)[bad[0]]}, expected "
+            f"{np.asarray(expected).reshape(-1)[bad[0]]}"
+        )
+
+
+def _unsupported(dtype, op) -> str | None:
+    backend = pb.get_default_group().backends.get("cpu")
+    check = getattr(backend, "unsupported", None)
+    return check(np.dtype(dtype), op) if check else None
+
+
+# -- reductions -----------------------------------------------------------------------------------
+
+
+def check_all_reduce_ops_dtypes() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for dtype in dtypes():
+        for op in valid_ops(dtype):
+            for n in SMALL_SIZES:
+                x = rank_input(rank, n, dtype, op)
+                if _unsupported(dtype, op):
+                    try:
+                        pb.all_reduce(x, op)
+                    except TypeError:
+                        continue
+                    raise AssertionError(f"{op} on {dtype}: backend says unsupported but ran")
+                pb.all_reduce(x, op)
+                assert_equal(
+                    x, expected_reduction(size, n, dtype, op), f"all_reduce {op.name} {dtype} n={n}"
+                )
+
+
+def check_all_reduce_large() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for dtype in (np.float32, np.int64):
+        for n in SIZES:
+            x = rank_input(rank, n, np.dtype(dtype))
+            pb.all_reduce(x)
+            assert_equal(x, expected_reduction(size, n, np.dtype(dtype), ReduceOp.SUM),
+                         f"all_reduce SUM {np.dtype(dtype)} n={n}")
+    # a multi-dimensional array is reduced in place, shape kept
+    x = np.full((3, 5, 2), rank + 1.0, dtype=np.float64)
+    pb.all_reduce(x, ReduceOp.MAX)
+    assert x.shape == (3, 5, 2) and (x == size).all()
+
+
+def check_reduce() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for dst in range(size):
+        for dtype, op in ((np.float32, ReduceOp.SUM), (np.int32, ReduceOp.MAX),
+                          (np.float64, ReduceOp.AVG), (np.int64, ReduceOp.BXOR)):
+            for n in (0, 1, 1000):
+                x = rank_input(rank, n, np.dtype(dtype), op)
+                before = x.copy()
+                pb.reduce(x, dst, op)
+                if rank == dst:
+                    assert_equal(x, expected_reduction(size, n, np.dtype(dtype), op),
+                                 f"reduce {op.name} to {dst}")
+                else:
+                    assert_equal(x, before, f"reduce leaves non-root rank {rank} unchanged")
+
+
+# -- data movement ---------------------------------------------------------------------------------
+
+
+def check_broadcast() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for src in range(size):
+        for dtype in dtypes():
+            for n in SIZES if dtype == np.float32 else SMALL_SIZES:
+                x = rank_input(rank, n, dtype)
+                pb.broadcast(x, src)
+                assert_equal(x, rank_input(src, n, dtype), f"broadcast {dtype} n={n} from {src}")
+
+
+def check_all_gather() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for dtype in (np.float32, np.int8, np.bool_, np.float64):
+        dtype = np.dtype(dtype)
+        for n in SIZES if dtype == np.float32 else SMALL_SIZES:
+            out = np.zeros(size * n, dtype=dtype)
+            pb.all_gather(out, rank_input(rank, n, dtype))
+            for r in range(size):
+                assert_equal(out[r * n : (r + 1) * n], rank_input(r, n, dtype),
+                             f"all_gather into one array, block {r}, n={n}")
+            outs = [np.zeros(n, dtype=dtype) for _ in range(size)]
+            pb.all_gather(outs, rank_input(rank, n, dtype))
+            for r in range(size):
+                assert_equal(outs[r], rank_input(r, n, dtype), f"all_gather list [{r}] n={n}")
+    # uneven: rank r contributes r * 3 + 1 elements (and rank 1 none at all when size > 2)
+    def count(r):
+        return 0 if (r == 1 and size > 2) else r * 3 + 1
+
+    outs = [np.zeros(count(r), dtype=np.int32) for r in range(size)]
+    pb.all_gather(outs, rank_input(rank, count(rank), np.dtype(np.int32)))
+    for r in range(size):
+        assert_equal(outs[r], rank_input(r, count(r), np.dtype(np.int32)), f"uneven [{r}]")
+
+
+def check_reduce_scatter() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for dtype, op in ((np.float32, ReduceOp.SUM), (np.int64, ReduceOp.MIN),
+                      (np.float64, ReduceOp.AVG), (np.uint8, ReduceOp.BOR)):
+        dtype = np.dtype(dtype)
+        for n in (0, 1, 5, 1000, (1 << 18) + 1):
+            full = rank_input(rank, n * size, dtype, op)
+            out = np.zeros(n, dtype=dtype)
+            pb.reduce_scatter(out, full, op)
+            expected = expected_reduction(size, n * size, dtype, op)[rank * n : (rank + 1) * n]
+            assert_equal(out, expected, f"reduce_scatter {op.name} {dtype} n={n}")
+    # uneven blocks, as a list: block i has i + 2 elements
+    sizes = [i + 2 for i in range(size)]
+    bounds = np.cumsum([0] + sizes)
+    full = rank_input(rank, int(bounds[-1]), np.dtype(np.float32))
+    inputs = [full[bounds[i] : bounds[i + 1]] for i in range(size)]
+    out = np.zeros(sizes[rank], dtype=np.float32)
+    pb.reduce_scatter(out, inputs)
+    expected = expected_reduction(size, int(bounds[-1]), np.dtype(np.float32), ReduceOp.SUM)
+    assert_equal(out, expected[bounds[rank] : bounds[rank + 1]], "uneven reduce_scatter")
+
+
+def check_all_to_all() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for n in (0, 1, 3, 1000, 1 << 18):
+        x = (np.arange(size * n, dtype=np.int64) + 1000 * rank)
+        out = np.full(size * n, -1, dtype=np.int64)
+        pb.all_to_all_single(out, x)
+        for src in range(size):
+            expected = np.arange(rank * n, (rank + 1) * n) + 1000 * src
+            assert_equal(out[src * n : (src + 1) * n], expected, f"all_to_all n={n} from {src}")
+    # uneven: rank s sends (s + d) % 3 rows of width 2 to rank d
+    def rows(s, d):
+        return (s + d) % 3
+
+    send_sizes = [rows(rank, d) for d in range(size)]
+    recv_sizes = [rows(s, rank) for s in range(size)]
+    x = np.concatenate(
+        [np.full((rows(rank, d), 2), 10 * rank + d, dtype=np.float32) for d in range(size)]
+    ) if sum(send_sizes) else np.zeros((0, 2), np.float32)
+    out = np.zeros((sum(recv_sizes), 2), dtype=np.float32)
+    pb.all_to_all_single(out, x, recv_sizes, send_sizes)
+    start = 0
+    for s in range(size):
+        block = out[start : start + recv_sizes[s]]
+        assert (block == 10 * s + rank).all(), f"uneven all_to_all block from {s}"
+        start += recv_sizes[s]
+    # list form
+    inputs = [np.full(d + 1, rank * 100 + d, dtype=np.int16) for d in range(size)]
+    outputs = [np.zeros(rank + 1, dtype=np.int16) for _ in range(size)]
+    pb.all_to_all(outputs, inputs)
+    for s in range(size):
+        assert (outputs[s] == s * 100 + rank).all(), f"all_to_all list from {s}"
+
+
+def check_gather_scatter() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for root in range(size):
+        for n in (0, 1, 1000):
+            x = rank_input(rank, n, np.dtype(np.float64))
+            outs = [np.zeros(n) for _ in range(size)] if rank == root else None
+            pb.gather(x, outs, dst=root)
+            if rank == root:
+                for r in range(size):
+                    assert_equal(outs[r], rank_input(r, n, np.dtype(np.float64)), "gather")
+            y = np.zeros(n, dtype=np.int32)
+            pieces = (
+                [rank_input(r, n, np.dtype(np.int32)) for r in range(size)] if rank == root
+                else None
+            )
+            pb.scatter(y, pieces, src=root)
+            assert_equal(y, rank_input(rank, n, np.dtype(np.int32)), f"scatter from {root}")
+
+
+def check_barrier() -> None:
+    import time
+
+    rank, size = pb.get_rank(), pb.get_world_size()
+    store = pb.get_default_group().store
+    for round_ in range(3):
+        time.sleep(0.02 * ((rank + round_) % size))
+        store.set(f"conformance/barrier/{round_}/{rank}", b"1")
+        pb.barrier()
+        assert store.check([f"conformance/barrier/{round_}/{r}" for r in range(size)]), (
+            f"rank {rank} left barrier {round_} before every rank entered it"
+        )
+    pb.barrier()
+
+
+# -- point to point --------------------------------------------------------------------------------
+
+
+def check_send_recv() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    if size == 1:
+        return
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for n in (0, 1, 1000, 1 << 20):
+        out = np.full(n, rank, dtype=np.float32)
+        got = np.zeros(n, dtype=np.float32)
+        work = pb.isend(out, right)
+        pb.recv(got, left)
+        work.wait()
+        assert (got == left).all(), f"ring send/recv n={n}"
+    # tags are matched, not ordered: receive tag 2 before tag 1
+    a, b = np.zeros(3), np.zeros(3)
+    w1 = pb.isend(np.full(3, 1.0), right, tag=1)
+    w2 = pb.isend(np.full(3, 2.0), right, tag=2)
+    pb.recv(b, left, tag=2)
+    pb.recv(a, left, tag=1)
+    w1.wait()
+    w2.wait()
+    assert (a == 1).all() and (b == 2).all(), "tag matching"
+    # an irecv posted before the matching send arrives, many in flight
+    works = [pb.irecv(np.zeros(4), left, tag=7) for _ in range(5)]
+    pb.barrier()
+    sends = [pb.isend(np.full(4, float(i)), right, tag=7) for i in range(5)]
+    for w in sends + works:
+        w.wait()
+        assert w.is_completed()
+
+
+def check_async_ordering() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    arrays = [np.full(1000 * (i % 3) + 1, float(i + rank), dtype=np.float64) for i in range(12)]
+    works = [pb.all_reduce(a, async_op=True) for a in arrays]
+    blocking = np.full(5, 1.0)
+    pb.all_reduce(blocking)  # a synchronous op after queued ones waits for them
+    assert (blocking == size).all()
+    for w in reversed(works):
+        w.wait()
+        assert w.is_completed()
+    for i, a in enumerate(arrays):
+        expected = sum(i + r for r in range(size))
+        assert (a == expected).all(), f"async all_reduce {i}"
+    mixed = [
+        pb.broadcast(np.full(10, float(rank)), 0, async_op=True),
+        pb.all_gather(np.zeros(size), np.array([float(rank)]), async_op=True),
+        pb.barrier(async_op=True),
+    ]
+    for w in mixed:
+        assert w.wait(timeout=60)
+
+
+def check_subgroups() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    evens = pb.new_group([r for r in range(size) if r % 2 == 0])
+    odds = pb.new_group([r for r in range(size) if r % 2 == 1])
+    mine = evens if rank % 2 == 0 else odds
+    other = odds if rank % 2 == 0 else evens
+    assert other is pb.NON_GROUP_MEMBER
+    members = [r for r in range(size) if r % 2 == rank % 2]
+    assert pb.get_world_size(mine) == len(members)
+    assert pb.get_rank(mine) == members.index(rank)
+    x = np.array([float(rank)] * 100)
+    pb.all_reduce(x, group=mine)
+    assert (x == sum(members)).all(), "sub-group all_reduce"
+    y = np.array([rank], dtype=np.int64)
+    pb.broadcast(y, members[-1], group=mine)  # src is a global rank
+    assert y[0] == members[-1]
+    out = np.zeros(len(members), dtype=np.int64)
+    pb.all_gather(out, np.array([rank], dtype=np.int64), group=mine)
+    assert list(out) == members
+    if len(members) > 1:
+        peer = members[(members.index(rank) + 1) % len(members)]
+        prev = members[(members.index(rank) - 1) % len(members)]
+        got = np.zeros(2)
+        w = pb.isend(np.full(2, float(rank)), peer, group=mine, tag=3)
+        pb.recv(got, prev, group=mine, tag=3)
+        w.wait()
+        assert (got == prev).all()
+    # the world still works, and sub-group traffic did not leak into it
+    z = np.ones(3)
+    pb.all_reduce(z)
+    assert (z == size).all()
+    try:
+        pb.all_reduce(np.ones(1), group=other)
+    except ValueError as exc:
+        assert "not a member" in str(exc)
+    else:
+        raise AssertionError("a collective on a group this rank is not in must be refused")
+    pb.destroy_process_group(mine)
+
+
+def check_objects() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    obj = {"rank": rank, "payload": list(range(rank * 10))}
+    assert pb.all_gather_object(obj) == [
+        {"rank": r, "payload": list(range(r * 10))} for r in range(size)
+    ]
+    got = pb.broadcast_object(obj if rank == size - 1 else None, src=size - 1)
+    assert got == {"rank": size - 1, "payload": list(range((size - 1) * 10))}
+
+
+# -- timeouts and errors ---------------------------------------------------------------------------
+
+
+def check_timeouts() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    store = pb.get_default_group().store
+    try:
+        store.get(f"conformance/never-set/{rank}", timeout=0.2)
+    except DistTimeoutError as exc:
+        assert "never-set" in str(exc), "the timeout names the key"
+    else:
+        raise AssertionError("store.get of a missing key must time out")
+    if size == 1:
+        return
+    right, left = (rank + 1) % size, (rank - 1) % size
+    late = np.zeros(2)
+    work = pb.irecv(late, left, tag=99)
+    try:
+        work.wait(timeout=0.3)
+    except DistTimeoutError:
+        pass
+    else:
+        raise AssertionError("Work.wait(timeout) must raise when nothing arrives")
+    assert not work.is_completed()
+    pb.barrier()
+    pb.send(np.full(2, 5.0), right, tag=99)  # now satisfy it: nothing is lost
+    work.wait(timeout=60)
+    assert (late == 5).all()
+
+
+def _expect(exc_type, fn, *args, must_mention: str = "", names_rank: bool = True, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        if must_mention and must_mention not in str(exc):
+            raise AssertionError(f"error {exc!r} should mention {must_mention!r}") from exc
+        if names_rank and f"rank {pb.get_rank()}" not in str(exc):
+            raise AssertionError(f"error {exc!r} should name the rank") from exc
+        return
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} should have raised {exc_type.__name__}")
+
+
+def check_bad_input() -> None:
+    rank, size = pb.get_rank(), pb.get_world_size()
+    x = np.ones(8, dtype=np.float32)
+    _expect(ValueError, pb.broadcast, x, src=size, must_mention="not a member")
+    _expect(ValueError, pb.reduce, x, dst=-1)
+    _expect(ValueError, pb.send, x, dst=rank, must_mention="itself")
+    _expect(ValueError, pb.recv, x, src=rank)
+    _expect(TypeError, pb.all_reduce, x, pb.ReduceOp.BAND, must_mention="BAND")
+    _expect(TypeError, pb.all_reduce, np.ones(3, dtype=np.int32), pb.ReduceOp.AVG)
+    _expect(ValueError, pb.all_reduce, np.ones((4, 4))[:, 1], must_mention="contiguous")
+    ro = np.ones(4)
+    ro.flags.writeable = False
+    _expect(ValueError, pb.all_reduce, ro, must_mention="read-only")
+    _expect(TypeError, pb.all_reduce, np.ones(2, dtype=np.complex64))
+    _expect(TypeError, pb.all_reduce, [1, 2, 3])
+    _expect(ValueError, pb.all_gather, np.zeros(size * 8 + 1, np.float32), x)
+    _expect(ValueError, pb.all_gather, [np.zeros(8, np.float32)] * (size + 1), x)
+    _expect(TypeError, pb.all_gather, np.zeros(size * 8, np.float64), x)
+    _expect(ValueError, pb.reduce_scatter, np.zeros(3, np.float32), np.zeros(3 * size + 1, np.float32))
+    _expect(ValueError, pb.all_to_all_single, np.zeros(size * 2), np.zeros(size * 2),
+            [2] * size, [1] * size, must_mention="adding up")
+    _expect(ValueError, pb.send, x, dst=(rank + 1) % size if size > 1 else 0, tag=-1)
+    _expect(PluribusError, pb.init_process_group, "threads", rank=rank, world_size=size,
+            store=pb.HashStore(), must_mention="already")
+    from pluribus.plugins import resolve_backend
+
+    _expect(pb.BackendUnavailableError, resolve_backend, "no-such-backend-xyz",
+            must_mention="pip install", names_rank=False)
+    # nothing was sent by the refused calls: the group still works and is in step
+    y = np.full(4, float(rank))
+    pb.all_reduce(y)
+    assert (y == sum(range(size))).all()

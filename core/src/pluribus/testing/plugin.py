@@ -1,0 +1,71 @@
+"""pytest plugin (auto-loaded through the ``pytest11`` entry point): options and fixtures for
+the conformance suite and for tests that need ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import RankPool
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("pluribus", "pluribus backend conformance")
+    group.addoption("--pluribus-backend", default=None,
+                    help="backend to check with the conformance suite (e.g. threads, gloo)")
+    group.addoption("--pluribus-world-sizes", default="1,2,3,4",
+                    help="comma-separated world sizes to check (default 1,2,3,4)")
+    group.addoption("--pluribus-mode", default=None, choices=["threads", "processes", "inplace"],
+                    help="how ranks run: threads of pytest, spawned processes, or inplace "
+                    "(pytest itself runs under mpiexec); default: threads for the threads backend")
+    group.addoption("--pluribus-env", action="append", default=[],
+                    help="KEY=VALUE set in every rank process (repeatable)")
+    group.addoption("--pluribus-timeout", type=float, default=120.0,
+                    help="seconds a check may take on all ranks")
+
+
+def pytest_generate_tests(metafunc):
+    if "pluribus_pool" in metafunc.fixturenames:
+        config = metafunc.config
+        if config.getoption("--pluribus-mode") == "inplace":
+            sizes = ["job"]
+        else:
+            sizes = [int(s) for s in config.getoption("--pluribus-world-sizes").split(",") if s]
+        metafunc.parametrize("pluribus_world_size", sizes, indirect=True,
+                             ids=[f"world{s}" for s in sizes], scope="session")
+
+
+@pytest.fixture(scope="session")
+def pluribus_world_size(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def _pluribus_pools():
+    pools: dict = {}
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture
+def pluribus_pool(request, pluribus_world_size, _pluribus_pools):
+    """A :class:`RankPool` for ``--pluribus-backend`` at the parametrised world size."""
+    config = request.config
+    backend = config.getoption("--pluribus-backend")
+    if backend is None:
+        pytest.skip("no backend named: pass --pluribus-backend NAME to run the conformance suite")
+    import pluribus
+
+    status = pluribus.availability(backend)
+    if not status.ok:
+        pytest.fail(f"backend {backend!r} is not available: {status.reason}; {status.remedy}")
+    env = dict(item.split("=", 1) for item in config.getoption("--pluribus-env"))
+    mode = config.getoption("--pluribus-mode")
+    key = (backend, pluribus_world_size, mode)
+    pool = _pluribus_pools.get(key)
+    if pool is None:
+        size = 1 if pluribus_world_size == "job" else pluribus_world_size
+        pool = _pluribus_pools[key] = RankPool(
+            size, backend, mode, timeout=config.getoption("--pluribus-timeout"), env=env
+        )
+    return pool
