@@ -62,8 +62,11 @@ def _print_table(rows: list[dict]) -> None:
     lines = [header]
     notes = []
     for row in rows:
-        for b in row["backends"] or [{"name": "-", "available": False, "reason": "", "remedy": ""}]:
+        hooks_only = {"name": "-", "available": None, "reason": "", "remedy": ""}
+        for b in row["backends"] or [hooks_only]:
             why = b["reason"] if not b["available"] else (b.get("version") or "")
+            if b["available"] is None:
+                why = "hooks only (no backend)"
             if b["remedy"] and not b["available"]:
                 why = f"{why}; fix: {b['remedy']}"
             lines.append(
@@ -72,7 +75,7 @@ def _print_table(rows: list[dict]) -> None:
                     row["distribution"] or "-",
                     row["version"] or "-",
                     b["name"],
-                    "yes" if b["available"] else "no",
+                    {True: "yes", False: "no", None: "-"}[b["available"]],
                     why,
                 )
             )

@@ -425,8 +425,11 @@ class TCPStore(Store):
         self.auth_token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)
         self._server = _TCPStoreServer(host, port, self.auth_token) if is_master else None
         self.port = self._server.port if self._server else port
-        self._lock = threading.Lock()
-        self._sock = self._connect(timeout if wait_for_server else 0.0)
+        # One connection per thread: a waiting get() must not block another thread's set().
+        self._local = threading.local()
+        self._sockets: list[socket.socket] = []
+        self._sockets_lock = threading.Lock()
+        self._local.sock = self._connect(timeout if wait_for_server else 0.0)
 
     def _connect(self, timeout: float) -> socket.socket:
         where = f"store at {self.host}:{self.port}"
@@ -451,19 +454,25 @@ class TCPStore(Store):
             sock.close()
             raise
         sock.settimeout(None)
+        with self._sockets_lock:
+            self._sockets.append(sock)
         return sock
 
     def _call(self, op: int, *fields: bytes, wait: float = 0.0) -> list[bytes]:
-        with self._lock:
-            self._sock.settimeout(wait + 30.0)
-            try:
-                _send_fields(self._sock, op, *fields)
-                status, reply = _recv_fields(self._sock)
-            except (OSError, ConnectionError) as exc:
-                raise PluribusError(
-                    f"lost the connection to the store at {self.host}:{self.port} ({exc}); "
-                    "the rank that serves it (rank 0 or the launcher) has probably exited"
-                ) from exc
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._local.sock = self._connect(self.timeout)
+        sock.settimeout(wait + 30.0)
+        try:
+            _send_fields(sock, op, *fields)
+            status, reply = _recv_fields(sock)
+        except (OSError, ConnectionError) as exc:
+            self._local.sock = None
+            sock.close()
+            raise PluribusError(
+                f"lost the connection to the store at {self.host}:{self.port} ({exc}); "
+                "the rank that serves it (rank 0 or the launcher) has probably exited"
+            ) from exc
         if status == _TIMEOUT:
             raise DistTimeoutError("timeout")
         return reply
@@ -493,7 +502,10 @@ class TCPStore(Store):
 
     def close(self) -> None:
         try:
-            self._sock.close()
+            with self._sockets_lock:
+                for sock in self._sockets:
+                    sock.close()
+                self._sockets.clear()
         finally:
             if self._server is not None:
                 self._server.close()

@@ -310,7 +310,8 @@ class RankPool:
     ):
         self.world_size = world_size
         self.backend = backend
-        self.mode = mode or ("threads" if backend == "threads" else "processes")
+        names = {part.rpartition(":")[2] for part in backend.split(",")}
+        self.mode = mode or ("threads" if names == {"threads"} else "processes")
         self.timeout = timeout
         self.env = env
         self.backend_options = backend_options
