@@ -6,6 +6,7 @@ and numpy's ufuncs dispatch to cupy through ``__array_ufunc__``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ _BASE_DTYPES = {
 }
 
 
+@functools.cache
 def bfloat16_dtype() -> np.dtype | None:
     """numpy's bfloat16 from ml_dtypes, or None when ml_dtypes is not installed."""
     try:
@@ -37,12 +39,13 @@ def bfloat16_dtype() -> np.dtype | None:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def supported_dtypes() -> set[np.dtype]:
+@functools.cache
+def supported_dtypes() -> frozenset[np.dtype]:
     found = set(_BASE_DTYPES)
     bf16 = bfloat16_dtype()
     if bf16 is not None:
         found.add(bf16)
-    return found
+    return frozenset(found)
 
 
 def device_of(array: Any) -> str:
@@ -73,7 +76,7 @@ def check_array(array: Any, what: str, rank: int, writable: bool = True) -> None
             f"rank {rank}: {what} is read-only; collectives write their result in place, "
             "pass a writable copy"
         )
-    if np.dtype(array.dtype) not in supported_dtypes():
+    if array.dtype not in supported_dtypes():
         hint = " (install ml_dtypes for bfloat16)" if "bfloat16" in str(array.dtype) else ""
         raise TypeError(
             f"rank {rank}: dtype {array.dtype} of {what} is not supported; use one of bool, "

@@ -99,12 +99,18 @@ class ProcessGroup:
         )
 
     def submit(
-        self, fn: Callable[[], Any], async_op: bool, description: str, lane: Any = "collectives"
+        self,
+        fn: Callable[[], Any],
+        async_op: bool,
+        description: str | Callable[[], str],
+        lane: Any = "collectives",
     ) -> Work:
         """Run ``fn`` after every operation issued before it on the same ``lane``.
 
         Collectives share one lane; point-to-point operations get a lane per direction and peer,
         so that ``isend`` to a peer and ``recv`` from it do not wait on each other.
+        ``description`` (or a function making it, to keep the fast path cheap) names the
+        operation in errors.
         """
         if self.closed:
             raise PluribusError(f"rank {self.global_rank}: group {self.name!r} was destroyed")
@@ -112,7 +118,7 @@ class ProcessGroup:
             queue_ = self._lanes.get(lane)
             if queue_ is None:
                 queue_ = self._lanes[lane] = _Lane(f"pluribus-{self.name}-{lane}")
-        return queue_.submit(fn, async_op, f"rank {self.global_rank}: {description}", self.timeout)
+        return queue_.submit(fn, async_op, description, self.global_rank, self.timeout)
 
     def next_subgroup_name(self) -> str:
         with self._lock:
@@ -144,12 +150,13 @@ class _Lane:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.worker: threading.Thread | None = None
 
-    def submit(self, fn: Callable[[], Any], async_op: bool, description: str, timeout: float):
+    def submit(self, fn, async_op: bool, description, rank: int, timeout: float) -> Work:
         with self.lock:
             inline = not async_op and self.pending == 0
             if not inline:
                 self.pending += 1
-                work = FutureWork(description, timeout)
+                text = description() if callable(description) else description
+                work = FutureWork(f"rank {rank}: {text}", timeout)
                 self.queue.put((fn, work))
                 if self.worker is None:
                     self.worker = threading.Thread(target=self._run, name=self.name, daemon=True)

@@ -60,9 +60,11 @@ def _run(
             for i in written:
                 _copy_back(args[i], call_args[i])
 
-    shape = getattr(key_array, "shape", "")
-    dtype = getattr(key_array, "dtype", "")
-    description = f"{name}(shape={shape}, dtype={dtype}) on group {group.name!r}"
+    def description() -> str:
+        shape = getattr(key_array, "shape", "")
+        dtype = getattr(key_array, "dtype", "")
+        return f"{name}(shape={shape}, dtype={dtype}) on group {group.name!r}"
+
     return group.submit(job, async_op, description, lane)
 
 
