@@ -25,8 +25,12 @@ class Linear(Module):
     """``y = x @ W.T + b`` over the last dimension; torch's default initialisation."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True,
-        dtype: Any = np.float32, rng: Any = None,
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = np.float32,
+        rng: Any = None,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -132,8 +136,13 @@ class BatchNorm1d(Module):
     """
 
     def __init__(
-        self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = True,
-        track_running_stats: bool = True, dtype: Any = np.float32,
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        dtype: Any = np.float32,
     ):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
@@ -238,8 +247,7 @@ class LayerNorm(Module):
         self.weight.accumulate_grad((g2 * xhat.reshape(-1, n)).sum(axis=0))
         gx = grad_output * self.weight.data
         return invstd * (
-            gx - gx.mean(axis=-1, keepdims=True)
-            - xhat * (gx * xhat).mean(axis=-1, keepdims=True)
+            gx - gx.mean(axis=-1, keepdims=True) - xhat * (gx * xhat).mean(axis=-1, keepdims=True)
         )
 
     def __repr__(self) -> str:

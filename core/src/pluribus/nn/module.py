@@ -44,6 +44,9 @@ class Parameter:
     def __init__(self, data: Any):
         self.data = data
         self.grad: Any = None
+        #: Where :meth:`accumulate_grad` puts a fresh gradient, if set: DDP points it into its
+        #: communication buffer, so gradients need no copy before or after the all-reduce.
+        self.grad_view: Any = None
         self._grad_hooks: list[GradHook] = []
 
     def __repr__(self) -> str:
@@ -58,10 +61,14 @@ class Parameter:
 
         Layers call this once per backward for each parameter they use; a framework adapting its
         own modules to the protocol calls it too (or, at least, fills ``.grad``: DDP then reduces
-        after backward returns, without overlap).
+        after backward returns, without overlap). The first gradient of a step may be kept as
+        ``.grad`` without a copy: pass an array the layer does not reuse.
         """
-        if self.grad is None:
-            self.grad = grad.astype(self.data.dtype, copy=True).reshape(self.data.shape)
+        if self.grad is None and self.grad_view is not None:
+            self.grad_view[...] = grad.reshape(self.data.shape)
+            self.grad = self.grad_view
+        elif self.grad is None:
+            self.grad = grad.astype(self.data.dtype, copy=False).reshape(self.data.shape)
         else:
             self.grad += grad.reshape(self.data.shape)
         for hook in list(self._grad_hooks):
@@ -88,12 +95,18 @@ class Module:
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # re-assigning a name keeps its place, so a replaced layer stays where it was
         if isinstance(value, Parameter):
+            self._modules.pop(name, None)
             self._parameters[name] = value
         elif isinstance(value, Module):
+            self._parameters.pop(name, None)
             self._modules[name] = value
-        elif name in self._buffers:
-            self._buffers[name] = value
+        else:
+            self._parameters.pop(name, None)
+            self._modules.pop(name, None)
+            if name in self._buffers:
+                self._buffers[name] = value
         object.__setattr__(self, name, value)
 
     def register_buffer(self, name: str, array: Any) -> None:

@@ -30,7 +30,7 @@ class Optimizer:
 
     def step(self) -> None:
         self.step_count += 1
-        for param, state in zip(self.params, self.state):
+        for param, state in zip(self.params, self.state, strict=True):
             if param.grad is not None:
                 self._update(param, state)
 
@@ -53,17 +53,19 @@ class Optimizer:
                 continue
             index, key = name.split(".", 1)
             target = self.params[int(index)].data
-            self.state[int(index)][key] = array_namespace(target).asarray(
-                value, dtype=target.dtype
-            )
+            self.state[int(index)][key] = array_namespace(target).asarray(value, dtype=target.dtype)
 
 
 class SGD(Optimizer):
     """SGD with optional momentum (torch's form: ``v = mu v + g; p -= lr v``) and L2 decay."""
 
     def __init__(
-        self, params: Iterable[Parameter], lr: float = 0.01, momentum: float = 0.0,
-        weight_decay: float = 0.0, nesterov: bool = False,
+        self,
+        params: Iterable[Parameter],
+        lr: float = 0.01,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
     ):
         super().__init__(params, lr)
         self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
@@ -87,8 +89,11 @@ class AdamW(Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter), torch's defaults."""
 
     def __init__(
-        self, params: Iterable[Parameter], lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+        self,
+        params: Iterable[Parameter],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
         weight_decay: float = 0.01,
     ):
         super().__init__(params, lr)

@@ -8,6 +8,7 @@ them, because a failed collective may leave the group in an unknown state.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -128,8 +129,22 @@ class _ThreadRanks:
 # -- processes ----------------------------------------------------------------------------------
 
 
-def _process_main(conn, rank, world_size, backend, port, timeout, env, backend_options):
-    os.environ.update(env)
+@contextlib.contextmanager
+def _environment(changes: dict[str, str]):
+    """Set environment variables for the duration (a spawned child inherits them at start)."""
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _process_main(conn, rank, world_size, backend, port, timeout, backend_options):
     import pluribus
 
     try:
@@ -181,13 +196,13 @@ class _ProcessRanks:
                     backend,
                     self.store.port,
                     timeout,
-                    child_env,
                     backend_options,
                 ),
                 name=f"pluribus-rank{rank}",
                 daemon=True,
             )
-            proc.start()
+            with _environment(child_env):  # before the child imports numpy (BLAS threads)
+                proc.start()
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)

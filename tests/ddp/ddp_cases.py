@@ -1,0 +1,104 @@
+"""Training runs shared by the DDP and SyncBatchNorm tests (importable by rank processes).
+
+Each ``*_on_rank`` function runs on one rank after ``init_process_group`` and returns plain numpy
+results; the ``reference_*`` functions train the same model in one process on the concatenated
+batch, which DDP must reproduce.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pluribus
+from pluribus import nn
+from pluribus.parallel import DistributedDataParallel, convert_sync_batchnorm
+
+FEATURES, CLASSES = 12, 5
+
+
+def make_model(seed: int, batchnorm: bool = False) -> nn.Module:
+    rng = np.random.default_rng(seed)
+    layers = [nn.Linear(FEATURES, 48, rng=rng)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(48))
+    layers += [nn.Tanh(), nn.Linear(48, 32, rng=rng), nn.ReLU(), nn.Linear(32, CLASSES, rng=rng)]
+    return nn.Sequential(*layers)
+
+
+def global_batch(step: int, micro: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same batch on every rank: features and labels for one micro-step."""
+    rng = np.random.default_rng(1000 * step + micro)
+    x = rng.standard_normal((rows, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, rows)
+    return x, y
+
+
+def _optimizer(params):
+    return nn.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def reference_train(world: int, per_rank: int, steps: int, accum: int, batchnorm=False) -> dict:
+    model = make_model(seed=100, batchnorm=batchnorm)
+    opt, loss_fn = _optimizer(model.parameters()), nn.CrossEntropyLoss()
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = global_batch(step, micro, world * per_rank)
+            loss_fn.forward(model.forward(x), y)
+            model.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def ddp_train_on_rank(
+    per_rank: int,
+    steps: int,
+    accum: int,
+    bucket_cap_mb: float = 25,
+    comm_hook=None,
+    batchnorm: bool = False,
+    overlap: bool = True,
+) -> dict:
+    """Train with DDP; every rank starts from a different init (DDP broadcasts rank 0's)."""
+    rank, world = pluribus.get_rank(), pluribus.get_world_size()
+    model = make_model(seed=100 + rank, batchnorm=batchnorm)
+    if batchnorm:
+        model = convert_sync_batchnorm(model)
+    ddp = DistributedDataParallel(
+        model, bucket_cap_mb=bucket_cap_mb, comm_hook=comm_hook, overlap=overlap
+    )
+    opt, loss_fn = _optimizer(ddp.parameters()), nn.CrossEntropyLoss()
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = global_batch(step, micro, world * per_rank)
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            last = micro == accum - 1
+            with ddp.no_sync() if not last else _nothing():
+                loss = loss_fn.forward(ddp.forward(x[mine]), y[mine])
+                ddp.backward(loss_fn.backward())
+            losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+    return {"state": ddp.state_dict(), "buckets": len(ddp.buckets), "losses": losses}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def check_matches_reference(
+    results: list[dict], world, per_rank, steps, accum, rtol=2e-5, atol=2e-6, batchnorm=False
+) -> None:
+    expected = reference_train(world, per_rank, steps, accum, batchnorm=batchnorm)
+    for name, value in expected.items():
+        for rank, result in enumerate(results):
+            got = result["state"][name]
+            # the reduced gradients are bit-identical on every rank, so the models are too
+            np.testing.assert_array_equal(got, results[0]["state"][name], err_msg=f"{name}@{rank}")
+        np.testing.assert_allclose(
+            results[0]["state"][name], value, rtol=rtol, atol=atol, err_msg=name
+        )

@@ -1,0 +1,72 @@
+"""DDP and SyncBatchNorm with ranks as separate processes, on every backend that can carry them.
+
+The ranks are spawned once per backend and world size (a :class:`RankPool`) and reused by the
+cases. ``storebackend`` is the example third-party backend (send/recv only, through the store):
+it shows DDP needs nothing but the public collectives. Backends that are not installed or
+cannot run here are skipped with the reason.
+"""
+
+import numpy as np
+import pluribus
+import pytest
+from ddp_cases import check_matches_reference, ddp_train_on_rank, reference_train
+from pluribus.testing import RankPool
+
+pytestmark = pytest.mark.timeout(240)
+
+SMALL_BUCKETS_MB = 4096 / 2**20
+BACKENDS = ["gloo", "ucc", "storebackend"]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made: dict = {}
+
+    def get(backend, world):
+        status = pluribus.availability(backend)
+        if not status.ok:
+            pytest.skip(
+                f"backend {backend!r} is not available here: {status.reason} ({status.remedy})"
+            )
+        if (backend, world) not in made:
+            made[(backend, world)] = RankPool(world, backend, mode="processes", timeout=120)
+        return made[(backend, world)]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("accum", [1, 2], ids=["sync-every-step", "no_sync-accumulation"])
+def test_ddp_processes_equal_single_process_on_concatenated_batch(pools, backend, world, accum):
+    per_rank, steps = 8, 3
+    results = pools(backend, world).run(ddp_train_on_rank, per_rank, steps, accum, SMALL_BUCKETS_MB)
+    assert results[0]["buckets"] >= 3
+    check_matches_reference(results, world, per_rank, steps, accum)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_syncbatchnorm_processes_equal_batchnorm_on_full_batch(pools, backend):
+    world, per_rank, steps = 2, 6, 3
+    results = pools(backend, world).run(
+        ddp_train_on_rank, per_rank, steps, 1, SMALL_BUCKETS_MB, None, True
+    )
+    check_matches_reference(
+        results, world, per_rank, steps, 1, batchnorm=True, rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hook, tolerance", [("fp16", 2e-4), ("bf16", 1e-3)])
+def test_compression_hooks_processes_stay_within_tolerance(pools, backend, hook, tolerance):
+    """Same stated tolerance as on threads: every parameter within ``tolerance`` of the
+    full-precision single-process run after 6 steps."""
+    world, per_rank, steps = 2, 16, 6
+    results = pools(backend, world).run(
+        ddp_train_on_rank, per_rank, steps, 1, SMALL_BUCKETS_MB, hook
+    )
+    reference = reference_train(world, per_rank, steps, 1)
+    worst = max(np.abs(results[0]["state"][k] - v).max() for k, v in reference.items())
+    assert 0 < worst < tolerance
