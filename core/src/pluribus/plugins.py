@@ -22,6 +22,10 @@ DISABLE_ENV = "PLURIBUS_DISABLE_PLUGINS"
 BUILTIN_PLUGINS = {
     "threads": "pluribus.builtin.threads",
     "collectives": "pluribus.builtin.collectives",
+    # Debugging wrappers around every collective; the one registered last runs outermost.
+    "debug-detail": "pluribus.debug.detail",
+    "trace": "pluribus.debug.trace",
+    "flight-recorder": "pluribus.debug.flight_recorder",
 }
 
 #: The project's own backend plugins: when one is missing, the remedy is its install command.

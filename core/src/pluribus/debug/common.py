@@ -1,63 +1,108 @@
-"""What the debugging plugins share: a description of one collective call, and a base class that
-turns every collective hook into one ``around(call)`` generator.
+"""What the debugging plugins share: a description of one collective call, a base class that
+turns every collective hook into one ``around(call)`` generator, and switching a wrapper on and
+off.
 
-Each debugging aid is a plugin with a ``wrapper=True`` implementation of every collective hook;
-writing eleven near-identical wrappers three times would hide what each aid does, so
-:class:`CollectiveWrapper` writes them once and a subclass implements only ``around``.
+Each debugging aid wraps every collective hook (``wrapper=True``); writing eleven near-identical
+wrappers three times would hide what each aid does, so :class:`CollectiveWrapper` writes them
+once and a subclass implements only ``around``. An aid that is off must cost nothing per call, so
+the wrapper object is registered with the plugin manager only while its aid is on: the module
+registered as a built-in plugin holds just a ``pluribus_group_created`` hook that reads the
+environment and calls :func:`set_registered`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Generator
+import threading
+from collections.abc import Generator
+from typing import Any
 
 from ..hookspecs import hookimpl
 from ..work import FutureWork
 
 #: Operations every rank of a group must call together (p2p ones are not checked across ranks).
-COLLECTIVE_OPS = (
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "gather",
-    "scatter",
-    "barrier",
+COLLECTIVE_OPS = frozenset(
+    (
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "gather",
+        "scatter",
+        "barrier",
+    )
 )
 
 
-def _nbytes(item: Any) -> int:
-    if item is None:
-        return 0
-    if isinstance(item, list):
-        return sum(_nbytes(x) for x in item)
-    return int(getattr(item, "nbytes", 0))
-
-
 def _sizes(items: list[Any] | None) -> list[int] | None:
-    return None if items is None else [int(x.size) for x in items]
+    return None if items is None else [int(getattr(x, "size", 0)) for x in items]
 
 
-@dataclass
+def _total_bytes(items: list[Any]) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for x in items)
+
+
 class CollectiveCall:
-    """One call of a collective hook, described by plain values (no arrays kept)."""
+    """One call of a collective hook, described by plain values (no array is kept alive)."""
 
-    op: str
-    group: Any
-    shape: tuple[int, ...] | None = None
-    dtype: str | None = None
-    root: int | None = None
-    reduce_op: str | None = None
-    peer: int | None = None
-    tag: int | None = None
-    in_sizes: list[int] | None = None
-    out_sizes: list[int] | None = None
-    nbytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    __slots__ = (
+        "op",
+        "group",
+        "shape",
+        "_dtype",
+        "root",
+        "reduce_op",
+        "peer",
+        "tag",
+        "in_sizes",
+        "out_sizes",
+        "nbytes",
+        "async_op",
+    )
+
+    def __init__(
+        self,
+        op: str,
+        group: Any,
+        array: Any = None,
+        *,
+        root: int | None = None,
+        reduce_op: Any = None,
+        peer: int | None = None,
+        tag: int | None = None,
+        in_sizes: list[int] | None = None,
+        out_sizes: list[int] | None = None,
+        nbytes: int | None = None,
+        async_op: bool = False,
+    ):
+        self.op = op
+        self.group = group
+        # getattr: a wrapper must not fail on an array-like the core accepted
+        self.shape: tuple[int, ...] | None = (
+            None if array is None else tuple(getattr(array, "shape", ()))
+        )
+        self._dtype = None if array is None else getattr(array, "dtype", None)  # str when shown
+        self.root = root
+        self.reduce_op = reduce_op
+        self.peer = peer
+        self.tag = tag
+        self.in_sizes = in_sizes
+        self.out_sizes = out_sizes
+        if nbytes is None:
+            nbytes = int(getattr(array, "nbytes", 0)) if array is not None else 0
+        self.nbytes = nbytes
+        self.async_op = async_op
+
+    @property
+    def dtype(self) -> str | None:
+        return None if self._dtype is None else str(self._dtype)
+
+    @property
+    def reduce_op_name(self) -> str | None:
+        return None if self.reduce_op is None else self.reduce_op.value
 
     @property
     def collective(self) -> bool:
@@ -68,10 +113,10 @@ class CollectiveCall:
         parts = []
         if self.shape is not None:
             parts.append(f"shape={self.shape}")
-        if self.dtype is not None:
+        if self._dtype is not None:
             parts.append(f"dtype={self.dtype}")
         if self.reduce_op is not None:
-            parts.append(f"op={self.reduce_op}")
+            parts.append(f"op={self.reduce_op_name}")
         if self.root is not None:
             parts.append(f"root={self.root}")
         if self.peer is not None:
@@ -80,47 +125,6 @@ class CollectiveCall:
 
     def numel(self) -> int:
         return math.prod(self.shape) if self.shape is not None else 0
-
-
-def describe_call(op: str, group: Any, **kw: Any) -> CollectiveCall:
-    """Build a :class:`CollectiveCall` from a hook's keyword arguments."""
-    array = kw.get("array")
-    if array is None and op == "reduce_scatter":
-        array = kw.get("output")
-    if array is None and op == "all_to_all":
-        array = (kw.get("inputs") or [None])[0]
-    shape = tuple(int(n) for n in array.shape) if array is not None else None
-    dtype = str(array.dtype) if array is not None else None
-    reduce_op = kw["op"].value if kw.get("op") is not None else None
-    root = kw.get("src", kw.get("dst")) if op in ("broadcast", "reduce", "gather", "scatter") else None
-    peer = kw.get("dst", kw.get("src")) if op in ("send", "recv") else None
-    in_sizes = out_sizes = None
-    if op == "all_gather":
-        out_sizes = _sizes(kw["outputs"])
-    elif op == "reduce_scatter":
-        in_sizes = _sizes(kw["inputs"])
-    elif op == "all_to_all":
-        in_sizes, out_sizes = _sizes(kw["inputs"]), _sizes(kw["outputs"])
-    elif op == "gather":
-        out_sizes = _sizes(kw.get("outputs"))
-    elif op == "scatter":
-        in_sizes = _sizes(kw.get("inputs"))
-    nbytes = _nbytes(array)
-    if op in ("all_to_all", "reduce_scatter"):
-        nbytes = _nbytes(kw.get("inputs"))
-    return CollectiveCall(
-        op=op,
-        group=group,
-        shape=shape,
-        dtype=dtype,
-        root=root,
-        reduce_op=reduce_op,
-        peer=peer,
-        tag=kw.get("tag"),
-        in_sizes=in_sizes,
-        out_sizes=out_sizes,
-        nbytes=nbytes,
-    )
 
 
 def when_done(work: Any, callback) -> None:
@@ -152,61 +156,112 @@ class CollectiveWrapper:
     def around(self, call: CollectiveCall) -> Around:
         return (yield)
 
-    def _wrap(self, op: str, group: Any, **kw: Any) -> Around:
-        return (yield from self.around(describe_call(op, group, **kw)))
-
     @hookimpl(wrapper=True)
     def pluribus_all_reduce(self, group, array, op, async_op):
-        return (yield from self._wrap("all_reduce", group, array=array, op=op))
+        call = CollectiveCall("all_reduce", group, array, reduce_op=op, async_op=async_op)
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_broadcast(self, group, array, src, async_op):
-        return (yield from self._wrap("broadcast", group, array=array, src=src))
+        call = CollectiveCall("broadcast", group, array, root=src, async_op=async_op)
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_reduce(self, group, array, dst, op, async_op):
-        return (yield from self._wrap("reduce", group, array=array, dst=dst, op=op))
+        call = CollectiveCall("reduce", group, array, root=dst, reduce_op=op, async_op=async_op)
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_all_gather(self, group, outputs, array, async_op):
-        return (yield from self._wrap("all_gather", group, outputs=outputs, array=array))
+        call = CollectiveCall(
+            "all_gather", group, array, out_sizes=_sizes(outputs), async_op=async_op
+        )
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_reduce_scatter(self, group, output, inputs, op, async_op):
-        return (
-            yield from self._wrap("reduce_scatter", group, output=output, inputs=inputs, op=op)
+        call = CollectiveCall(
+            "reduce_scatter",
+            group,
+            output,
+            reduce_op=op,
+            in_sizes=_sizes(inputs),
+            nbytes=_total_bytes(inputs),
+            async_op=async_op,
         )
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_all_to_all(self, group, outputs, inputs, async_op):
-        return (yield from self._wrap("all_to_all", group, outputs=outputs, inputs=inputs))
+        call = CollectiveCall(
+            "all_to_all",
+            group,
+            inputs[0] if inputs else None,
+            in_sizes=_sizes(inputs),
+            out_sizes=_sizes(outputs),
+            nbytes=_total_bytes(inputs),
+            async_op=async_op,
+        )
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_gather(self, group, array, outputs, dst, async_op):
-        return (yield from self._wrap("gather", group, array=array, outputs=outputs, dst=dst))
+        call = CollectiveCall(
+            "gather", group, array, root=dst, out_sizes=_sizes(outputs), async_op=async_op
+        )
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_scatter(self, group, array, inputs, src, async_op):
-        return (yield from self._wrap("scatter", group, array=array, inputs=inputs, src=src))
+        call = CollectiveCall(
+            "scatter", group, array, root=src, in_sizes=_sizes(inputs), async_op=async_op
+        )
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_barrier(self, group, async_op):
-        return (yield from self._wrap("barrier", group))
+        return (yield from self.around(CollectiveCall("barrier", group, async_op=async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_send(self, group, array, dst, tag, async_op):
-        return (yield from self._wrap("send", group, array=array, dst=dst, tag=tag))
+        call = CollectiveCall("send", group, array, peer=dst, tag=tag, async_op=async_op)
+        return (yield from self.around(call))
 
     @hookimpl(wrapper=True)
     def pluribus_recv(self, group, array, src, tag, async_op):
-        return (yield from self._wrap("recv", group, array=array, src=src, tag=tag))
+        call = CollectiveCall("recv", group, array, peer=src, tag=tag, async_op=async_op)
+        return (yield from self.around(call))
 
 
-HOOK_NAMES = tuple(name for name in dir(CollectiveWrapper) if name.startswith("pluribus_"))
+#: The debugging wrappers from innermost to outermost: the flight recorder sees the calls the
+#: mismatch detector stops, and the trace's durations include the detector's exchange.
+WRAPPER_ORDER = ("debug-detail-calls", "trace-calls", "flight-recorder-calls")
+
+_registration_lock = threading.Lock()
+_wanted: dict[str, CollectiveWrapper] = {}
+_registered: list[str] = []  # what set_registered registered, in order
 
 
-def export_hooks(plugin: CollectiveWrapper, namespace: dict[str, Any]) -> None:
-    """Put ``plugin``'s bound hook methods into a module's namespace, so that the module can be
-    registered as the plugin (the core registers built-in plugins by module)."""
-    for name in HOOK_NAMES:
-        namespace[name] = getattr(plugin, name)
+def set_registered(plugin: CollectiveWrapper, name: str, wanted: bool) -> None:
+    """Register ``plugin``'s wrappers with the plugin manager under ``name``, or take them out,
+    so that an aid that is off adds nothing to a collective call. The registered wrappers always
+    nest in :data:`WRAPPER_ORDER`, whichever aid was switched on first."""
+    from ..plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    with _registration_lock:
+        if wanted:
+            _wanted[name] = plugin
+        else:
+            _wanted.pop(name, None)
+        order = [n for n in WRAPPER_ORDER if n in _wanted]
+        order += sorted(n for n in _wanted if n not in WRAPPER_ORDER)
+        if order == _registered and all(manager.get_plugin(n) is _wanted[n] for n in order):
+            return
+        for n in _registered:
+            if manager.has_plugin(n):
+                manager.unregister(name=n)
+        _registered.clear()
+        for n in order:  # pluggy runs the wrapper registered last outermost
+            manager.register(_wanted[n], name=n)
+            _registered.append(n)
