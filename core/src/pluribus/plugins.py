@@ -22,7 +22,7 @@ DISABLE_ENV = "PLURIBUS_DISABLE_PLUGINS"
 BUILTIN_PLUGINS = {
     "threads": "pluribus.builtin.threads",
     "collectives": "pluribus.builtin.collectives",
-    # Debugging wrappers around every collective; the one registered last runs outermost.
+    # Debugging aids: each wraps the collective hooks only while its setting switches it on.
     "debug-detail": "pluribus.debug.detail",
     "trace": "pluribus.debug.trace",
     "flight-recorder": "pluribus.debug.flight_recorder",

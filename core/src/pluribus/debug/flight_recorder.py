@@ -1,0 +1,193 @@
+"""The flight recorder: the last N operations of this process, dumped when something goes wrong.
+
+Every collective and point-to-point call is kept in a ring buffer (``PLURIBUS_FLIGHT_RECORDER=N``
+entries, 256 by default, 0 turns it off) with its group, sequence number, shapes, bytes, start
+and end time and state (``started``, ``completed``, ``failed``). The buffer is written as JSON
+to ``$PLURIBUS_FLIGHT_RECORDER_DIR/flight_recorder_r<rank>.json`` when a collective fails or
+times out, when the rank dies of an uncaught exception, and when the launcher stops the rank;
+``pluribus-run`` reads those files to say which collective each rank was stuck in.
+
+Recording costs one small object per call; no data is copied.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..hookspecs import hookimpl
+from ..work import FutureWork
+from .common import CollectiveCall, CollectiveWrapper, global_rank, set_registered
+
+SIZE_ENV = "PLURIBUS_FLIGHT_RECORDER"
+DIR_ENV = "PLURIBUS_FLIGHT_RECORDER_DIR"
+DEFAULT_SIZE = 256
+
+
+def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
+    return Path(directory) / f"flight_recorder_r{'unknown' if rank is None else rank}.json"
+
+
+class Entry:
+    """One recorded call. ``end`` is None while it runs."""
+
+    __slots__ = ("seq", "group", "call", "start", "end", "state", "error")
+
+    def __init__(self, seq: int, call: CollectiveCall):
+        self.seq = seq
+        self.group = call.group.name
+        call.group = None  # the buffer must not keep destroyed groups alive
+        self.call = call
+        self.start = time.time()
+        self.end: float | None = None
+        self.state = "started"
+        self.error: str | None = None
+
+    def finish(self, error: BaseException | None) -> None:
+        self.end = time.time()
+        if error is None:
+            self.state = "completed"
+        else:
+            self.state = "failed"
+            self.error = f"{type(error).__name__}: {error}"
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.call
+        return {
+            "seq": self.seq,
+            "group": self.group,
+            "op": c.op,
+            "description": c.describe(),
+            "shape": list(c.shape) if c.shape is not None else None,
+            "dtype": c.dtype,
+            "bytes": c.nbytes,
+            "root": c.root,
+            "peer": c.peer,
+            "reduce_op": c.reduce_op_name,
+            "start": self.start,
+            "end": self.end,
+            "state": self.state,
+            "error": self.error,
+        }
+
+
+class FlightRecorder(CollectiveWrapper):
+    """The recorder plugin; one per process (module-level ``recorder``)."""
+
+    def __init__(self, size: int | None = None):
+        self.entries: collections.deque[Entry] = collections.deque(maxlen=1)
+        self.enabled = False
+        self.configure(size)
+        self._seq: dict[tuple[str, int, bool], int] = {}
+        self._rank: int | None = None
+
+    def configure(self, size: int | None = None) -> None:
+        """Keep the last ``size`` calls (default: ``$PLURIBUS_FLIGHT_RECORDER``, else 256)."""
+        if size is None:
+            size = int(os.environ.get(SIZE_ENV, DEFAULT_SIZE) or 0)
+        self.enabled = size > 0
+        if self.entries.maxlen != max(size, 1):
+            self.entries = collections.deque(self.entries, maxlen=max(size, 1))
+
+    def around(self, call: CollectiveCall):
+        if not self.enabled:
+            return (yield)
+        group = call.group
+        if self._rank is None:
+            self._rank = group.global_rank
+            self._install_excepthook()
+        # One rank issues a group's calls from one thread, so its counter needs no lock.
+        key = (group.name, group.global_rank, call.collective)
+        seq = self._seq[key] = self._seq.get(key, 0) + 1
+        entry = Entry(seq, call)
+        self.entries.append(entry)
+        try:
+            work = yield
+        except BaseException as exc:
+            self._finished(entry, exc)
+            raise
+        if isinstance(work, FutureWork):
+            work.add_done_callback(lambda w: self._finished(entry, w.exception()))
+        else:
+            entry.finish(None)
+        return work
+
+    def _finished(self, entry: Entry, error: BaseException | None) -> None:
+        entry.finish(error)
+        if error is not None:
+            self.dump(f"{entry.call.describe()} on group {entry.group!r} failed: {error}")
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [e.as_dict() for e in self.entries.copy()]
+
+    def dump(self, reason: str, directory: str | os.PathLike | None = None) -> Path | None:
+        """Write the buffer as JSON; returns the file, or None when there is nowhere to write."""
+        directory = directory or os.environ.get(DIR_ENV)
+        if not directory or not self.enabled:
+            return None
+        rank = self._rank if self._rank is not None else global_rank()
+        record = {
+            "rank": rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "reason": reason,
+            "time": time.time(),
+            "entries": self.snapshot(),
+        }
+        path = dump_path(directory, rank)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(record, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            return None
+        return path
+
+    def _install_excepthook(self) -> None:
+        """Outside pluribus-run nothing else reports an uncaught exception: dump on one."""
+        if not os.environ.get(DIR_ENV):
+            return
+        previous = sys.excepthook
+
+        def excepthook(kind, value, tb):
+            atexit.register(self.dump, f"uncaught {kind.__name__}: {value}")
+            previous(kind, value, tb)
+
+        sys.excepthook = excepthook
+
+
+recorder = FlightRecorder()
+
+
+@hookimpl
+def pluribus_group_created(group):
+    # A group made again under an old name counts from 1 again, as on its peers.
+    for collective in (True, False):
+        recorder._seq.pop((group.name, group.global_rank, collective), None)
+    recorder.configure()
+    set_registered(recorder, "flight-recorder-calls", recorder.enabled)
+
+
+def dump(reason: str, directory: str | os.PathLike | None = None) -> Path | None:
+    """Dump this process's flight recorder (see :meth:`FlightRecorder.dump`)."""
+    return recorder.dump(reason, directory)
+
+
+def stuck_in(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The oldest unfinished collective in a dump, or None when every one finished."""
+    for entry in record.get("entries", []):
+        if entry["state"] == "started" and entry["op"] not in ("send", "recv"):
+            return entry
+    for entry in record.get("entries", []):
+        if entry["state"] == "started":
+            return entry
+    return None

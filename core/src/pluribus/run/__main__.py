@@ -1,0 +1,5 @@
+"""``python -m pluribus.run``: the same as the ``pluribus-run`` command."""
+
+from . import main
+
+main()
