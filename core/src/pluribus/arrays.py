@@ -99,7 +99,8 @@ def check_op(op: ReduceOp, dtype: Any, rank: int) -> None:
         )
 
 
-def _ufunc(op: ReduceOp, dtype: np.dtype):
+def reduce_ufunc(op: ReduceOp, dtype: np.dtype):
+    """The numpy ufunc that combines two arrays of ``dtype`` for ``op`` (logical ones for bool)."""
     if dtype == np.bool_:
         table = {
             ReduceOp.SUM: np.logical_or,
@@ -125,7 +126,7 @@ def _ufunc(op: ReduceOp, dtype: np.dtype):
 
 def reduce_into(dst: Any, src: Any, op: ReduceOp) -> None:
     """``dst = op(dst, src)`` in place, elementwise. AVG accumulates a sum (divide at the end)."""
-    _ufunc(op, np.dtype(dst.dtype))(dst, src, out=dst)
+    reduce_ufunc(op, np.dtype(dst.dtype))(dst, src, out=dst)
 
 
 def finish_average(array: Any, op: ReduceOp, count: int) -> None:

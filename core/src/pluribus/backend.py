@@ -11,6 +11,7 @@ arrays are contiguous and already validated by the core, and every method blocks
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Any
 
 from .errors import DistTimeoutError, PeerError
@@ -82,7 +83,7 @@ class Backend:
         own. The default reuses this backend's connections through a view that renumbers ranks
         and shifts tags; backends with native communicators (MPI, NCCL) return a real one.
         """
-        return SubgroupView(self, ranks, ctx.rank, tag_shift=_next_tag_shift(self))
+        return SubgroupView(self, ranks, ctx.rank, tag_shift=subgroup_tag_shift(ctx.group_name))
 
     def abort(self, reason: str) -> None:
         """Stop every blocking call on this rank as soon as possible (after a failure)."""
@@ -91,14 +92,10 @@ class Backend:
         """Release connections, segments and threads. Called once, on destroy."""
 
 
-_shift_lock = threading.Lock()
-
-
-def _next_tag_shift(parent: Backend) -> int:
-    with _shift_lock:
-        count = getattr(parent, "_pluribus_subgroups", 0) + 1
-        parent._pluribus_subgroups = count  # type: ignore[attr-defined]
-    return count << 40
+def subgroup_tag_shift(group_name: str) -> int:
+    """The tag offset of a sub-group: derived from its name, which every rank agrees on (ranks
+    outside a group never see it created, so a per-process counter would disagree)."""
+    return ((zlib.crc32(group_name.encode()) & 0x3FFFF) + 1) << 40
 
 
 class SubgroupView(Backend):

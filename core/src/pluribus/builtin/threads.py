@@ -12,7 +12,6 @@ import collections
 import itertools
 import threading
 import time
-import weakref
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,9 @@ from ..errors import DistTimeoutError, PeerError
 from ..hookspecs import hookimpl
 from ..types import Availability, BackendContext, BackendSpec
 
-_fabrics: weakref.WeakValueDictionary[int, _Fabric] = weakref.WeakValueDictionary()
+# Fabrics waiting for their ranks to join; the last rank to join removes its fabric from here.
+_fabrics: dict[int, _Fabric] = {}
+_fabrics_lock = threading.Lock()
 _fabric_ids = itertools.count(1)
 
 
@@ -35,6 +36,7 @@ class _Fabric:
             collections.deque
         )
         self.failed: dict[int, str] = {}
+        self.joined = 0
 
 
 class ThreadsBackend(Backend):
@@ -87,21 +89,23 @@ class ThreadsBackend(Backend):
 def create(ctx: BackendContext) -> ThreadsBackend:
     key = "threads/fabric"
     if ctx.rank == 0:
-        fabric = _Fabric(ctx.size)
         fid = next(_fabric_ids)
-        _fabrics[fid] = fabric
+        with _fabrics_lock:
+            _fabrics[fid] = _Fabric(ctx.size)
         ctx.store.set(key, str(fid))
     else:
         fid = int(ctx.store.get(key, ctx.timeout))
-    fabric = _fabrics.get(fid)
-    if fabric is None:
-        raise PeerError(
-            f"rank {ctx.rank}: the threads backend's ranks must be threads of one process; "
-            "use gloo for ranks in separate processes"
-        )
-    backend = ThreadsBackend(fabric, ctx.rank, ctx.size, ctx.timeout)
-    backend._keepalive = fabric  # the fabric lives as long as any rank's backend
-    return backend
+    with _fabrics_lock:
+        fabric = _fabrics.get(fid)
+        if fabric is None:
+            raise PeerError(
+                f"rank {ctx.rank}: the threads backend's ranks must be threads of one process; "
+                "use gloo for ranks in separate processes"
+            )
+        fabric.joined += 1
+        if fabric.joined == fabric.size:
+            del _fabrics[fid]
+    return ThreadsBackend(fabric, ctx.rank, ctx.size, ctx.timeout)
 
 
 @hookimpl

@@ -374,6 +374,23 @@ def check_subgroups() -> None:
     pb.destroy_process_group(mine)
 
 
+def check_overlapping_subgroups() -> None:
+    """Groups that share ranks, created in the same order everywhere, keep their traffic apart
+    even though each rank sees only the groups it belongs to."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    pairs = [pb.new_group([r, (r + 1) % size]) for r in range(size)] if size > 2 else []
+    for r, group in enumerate(pairs):
+        members = {r, (r + 1) % size}
+        if rank in members:
+            x = np.array([float(rank + 1)] * 3)
+            pb.all_reduce(x, group=group)
+            assert (x == sum(m + 1 for m in members)).all(), f"pair group {sorted(members)}"
+        else:
+            assert group is pb.NON_GROUP_MEMBER
+    for group in pairs:
+        pb.destroy_process_group(group)
+
+
 def check_objects() -> None:
     rank, size = pb.get_rank(), pb.get_world_size()
     obj = {"rank": rank, "payload": list(range(rank * 10))}

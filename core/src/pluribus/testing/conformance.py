@@ -28,6 +28,7 @@ CHECKS = [
     checks.check_send_recv,
     checks.check_async_ordering,
     checks.check_subgroups,
+    checks.check_overlapping_subgroups,
     checks.check_objects,
     checks.check_timeouts,
     checks.check_bad_input,

@@ -1,0 +1,143 @@
+"""Shared-memory rings between two ranks on one host.
+
+One segment per pair of ranks holds two single-producer single-consumer byte rings, one per
+direction. Each ring has a control block (``head`` written only by the producer, ``tail`` only
+by the consumer, and two "I am asleep" flags, each on its own cache line) and a data area whose
+size is a multiple of 64. A side that stops polling sets its flag and sleeps on the pair's
+socket; the other side, after moving ``head`` or ``tail``, sees the flag and rings the socket.
+Messages are a 64-byte header followed by the payload, padded to 64 bytes, so a header never
+wraps and a payload always starts aligned: a receiver can reduce straight out of the ring.
+
+The protocol needs only that aligned 8-byte stores are atomic and that stores become visible in
+program order (x86-64's memory model); on other CPUs the fast path is off unless asked for.
+
+A segment exists in /dev/shm only while the pair is connecting: its creator unlinks it as soon as
+the peer says it has mapped it (or failed to), so no segment outlives the processes, even when
+one is killed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+
+import numpy as np
+
+CONTROL_BYTES = 256
+# 8-byte words of the control block, each on its own cache line
+HEAD, TAIL, READER_WAITING, WRITER_WAITING = 0, 8, 16, 24
+ALIGN = 64
+
+try:
+    import _posixshmem
+except ImportError:  # pragma: no cover - Windows
+    _posixshmem = None
+
+
+def supported() -> bool:
+    """Whether the shared-memory path is safe to use on this machine by default."""
+    return _posixshmem is not None and platform.machine().lower() in ("x86_64", "amd64")
+
+
+def segment_size(capacity: int) -> int:
+    return 2 * (CONTROL_BYTES + capacity)
+
+
+def create_segment(capacity: int) -> tuple[str, mmap.mmap]:
+    """Create and map a fresh segment for one pair; the caller unlinks it."""
+    name = f"/plrb-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, segment_size(capacity))
+        mm = mmap.mmap(fd, segment_size(capacity))
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+    return name, mm
+
+
+def open_segment(name: str, capacity: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open(name, os.O_RDWR, 0o600)
+    try:
+        if os.fstat(fd).st_size != segment_size(capacity):
+            raise OSError(f"shared-memory segment {name} has an unexpected size")
+        return mmap.mmap(fd, segment_size(capacity))
+    finally:
+        os.close(fd)
+
+
+def unlink(name: str) -> None:
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
+
+
+class Ring:
+    """One direction of a pair's segment. The same object serves the producer or the consumer."""
+
+    def __init__(self, mm: mmap.mmap, index: int, capacity: int):
+        offset = index * (CONTROL_BYTES + capacity)
+        self.capacity = capacity
+        self.control = memoryview(mm)[offset : offset + CONTROL_BYTES].cast("Q")
+        self.data = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=offset + CONTROL_BYTES)
+        self.raw = memoryview(mm)[offset + CONTROL_BYTES : offset + CONTROL_BYTES + capacity]
+        # local copies of the counters this side owns
+        self.head = self.control[0]
+        self.tail = self.control[8]
+
+    # -- producer
+    def space(self) -> int:
+        return self.capacity - (self.head - self.control[8])
+
+    def write_small(self, data: bytes) -> None:
+        """Write a header, or a whole small message, at the aligned head and publish it."""
+        pos = self.head % self.capacity
+        first = min(len(data), self.capacity - pos)
+        self.raw[pos : pos + first] = data[:first]
+        if first < len(data):
+            self.raw[: len(data) - first] = data[first:]
+        self.head += len(data)
+        self.control[0] = self.head
+
+    def write(self, src: np.ndarray) -> None:
+        """Copy ``src`` (uint8, at most ``space()`` bytes) in, wrapping if needed, and publish."""
+        n = src.size
+        pos = self.head % self.capacity
+        first = min(n, self.capacity - pos)
+        np.copyto(self.data[pos : pos + first], src[:first])
+        if first < n:
+            np.copyto(self.data[: n - first], src[first:])
+        self.head += n
+        self.control[0] = self.head
+
+    def advance(self, n: int) -> None:
+        """Skip ``n`` bytes of padding (the caller checked the space)."""
+        self.head += n
+        self.control[0] = self.head
+
+    # -- consumer
+    def available(self) -> int:
+        return self.control[0] - self.tail
+
+    def peek(self, n: int) -> np.ndarray:
+        """Up to ``n`` readable bytes that are contiguous in the ring (fewer at the wrap)."""
+        pos = self.tail % self.capacity
+        return self.data[pos : pos + min(n, self.capacity - pos)]
+
+    def read_small(self, n: int) -> bytes:
+        pos = self.tail % self.capacity
+        return bytes(self.raw[pos : pos + n])
+
+    def consume(self, n: int) -> None:
+        self.tail += n
+        self.control[8] = self.tail
+
+    def release(self) -> None:
+        self.control.release()
+        self.raw.release()
+        self.data = None
