@@ -1,0 +1,357 @@
+"""The ``ucc`` backend: pluribus collectives over UCX tag-matched messages.
+
+Every collective posts all the non-blocking UCX requests it can at once and waits on them through
+the transport's blocking progress, so transfers to and from different peers overlap and a waiting
+rank sleeps in epoll. Large all-reduces run a ring (reduce-scatter, then all-gather) cut into
+segments: segment ``j`` of a chunk is forwarded to the next rank as soon as it has arrived and been
+reduced, while segment ``j + 1`` is still on the wire. cupy arrays are handed to UCX as they are
+(UCX's CUDA transports move them device to device) and reduced by cupy on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from pluribus.algorithms import _bounds
+from pluribus.arrays import byte_view, device_of, empty_like, finish_average, flat, reduce_into
+from pluribus.backend import COLLECTIVE_TAG, Backend
+from pluribus.errors import CollectiveMismatchError
+from pluribus.types import BackendContext, ReduceOp
+
+from .transport import SUBGROUP_SHIFT, Transport
+
+#: Tags of this backend's own collectives: above the core's collective tag, below 2**25.
+NATIVE_TAG = COLLECTIVE_TAG + 1
+MAX_NATIVE_TAGS = (1 << 24) - 1
+
+#: Pipeline segment of the ring all-reduce and the broadcast tree (bytes).
+DEFAULT_SEGMENT_BYTES = 1 << 20
+#: All-reduces up to this size use recursive doubling (log2(p) exchanges of the whole array)
+#: when the group size is a power of two; larger ones the bandwidth-optimal ring.
+DEFAULT_SMALL_BYTES = 64 << 10
+
+
+def _keeps_buffers_on_failure(method):
+    """On an error, hand every request the call posted to the transport, still in flight or not,
+    so that their buffers outlive anything UCX may still write into them."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        posted = self._posted.__dict__.setdefault("ops", [])
+        mark = len(posted)
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self.t.bury(posted[mark:])
+            raise
+        finally:
+            del posted[mark:]
+
+    return run
+
+
+class UccBackend(Backend):
+    """One rank's view of a group: group-local ranks mapped to the transport's world ranks."""
+
+    name = "ucc"
+    devices = ("cpu", "cuda")
+
+    def __init__(
+        self,
+        transport: Transport,
+        members: list[int],
+        rank: int,
+        timeout: float,
+        tag_space: int,
+        options: dict[str, Any],
+    ):
+        super().__init__(rank, len(members), timeout)
+        self.t = transport
+        self.members = list(members)
+        self.tag_base = tag_space << SUBGROUP_SHIFT
+        self.options = options
+        self.segment_bytes = int(options.get("ucc_segment_bytes", DEFAULT_SEGMENT_BYTES))
+        self.small_bytes = int(options.get("ucc_small_bytes", DEFAULT_SMALL_BYTES))
+        self.owns_transport = tag_space == 0
+        self._posted = threading.local()
+        self._buffers: dict[tuple[int, str], Any] = {}
+
+    def __repr__(self) -> str:
+        return f"UccBackend(rank={self.rank}, size={self.size}, world_ranks={self.members})"
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _send(self, array: Any, dst: int, tag: int):
+        op = self.t.post_send(array, self.members[dst], self.tag_base + tag)
+        self._posted.__dict__.setdefault("ops", []).append(op)
+        return op
+
+    def _recv(self, array: Any, src: int, tag: int):
+        op = self.t.post_recv(array, self.members[src], self.tag_base + tag)
+        self._posted.__dict__.setdefault("ops", []).append(op)
+        return op
+
+    def _wait(self, ops, what: str, peers: tuple[int, ...] | None = None) -> None:
+        watch = self.members if peers is None else tuple(self.members[p] for p in peers)
+        mismatch = CollectiveMismatchError if peers is None else None
+        self.t.wait(ops, tuple(watch), what, self.timeout, mismatch)
+
+    def _scratch(self, slot: int, like: Any, count: int) -> Any:
+        """``count`` elements like ``like``, from a buffer kept between calls.
+
+        Fresh large allocations are fresh pages: every call would page-fault them in as UCX
+        writes, which costs as much as the copy itself. Collectives of one group never overlap,
+        so each slot has one user at a time.
+        """
+        nbytes = count * like.itemsize
+        key = (slot, device_of(like))
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.nbytes < nbytes:
+            if key[1] == "cuda":
+                import cupy
+
+                buffer = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+            else:
+                import numpy as np
+
+                buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
+            self._buffers[key] = buffer
+        return buffer[:nbytes].view(like.dtype)
+
+    @staticmethod
+    def _ready(array: Any) -> None:
+        """Let GPU kernels that wrote ``array`` finish before UCX reads it."""
+        if device_of(array) == "cuda":
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+
+    # -- point to point ----------------------------------------------------------------------------
+    @_keeps_buffers_on_failure
+    def send(self, array: Any, dst: int, tag: int = 0) -> None:
+        self._ready(array)
+        self._wait([self._send(array, dst, tag)], f"send to rank {dst} (tag {tag})", (dst,))
+
+    @_keeps_buffers_on_failure
+    def recv(self, array: Any, src: int, tag: int = 0) -> None:
+        self._wait([self._recv(array, src, tag)], f"recv from rank {src} (tag {tag})", (src,))
+
+    @_keeps_buffers_on_failure
+    def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
+        if dst == self.rank and src == self.rank:
+            recv_array[...] = send_array
+            return
+        self._ready(send_array)
+        ops = [self._recv(recv_array, src, tag), self._send(send_array, dst, tag)]
+        self._wait(ops, f"sendrecv with ranks {dst}/{src}", (dst, src))
+
+    # -- collectives -------------------------------------------------------------------------------
+    @_keeps_buffers_on_failure
+    def all_reduce(self, array: Any, op: ReduceOp) -> None:
+        p = self.size
+        if p > 1:
+            self._ready(array)
+            data = flat(array)
+            if data.nbytes <= self.small_bytes and p & (p - 1) == 0:
+                self._all_reduce_doubling(data, op)
+            else:
+                self._all_reduce_ring(data, op)
+        finish_average(array, op, p)
+
+    def _all_reduce_doubling(self, data: Any, op: ReduceOp) -> None:
+        incoming = self._scratch(0, data, data.size)
+        mask, level = 1, 0
+        while mask < self.size:
+            partner = self.rank ^ mask
+            ops = [
+                self._recv(incoming, partner, NATIVE_TAG + level),
+                self._send(data, partner, NATIVE_TAG + level),
+            ]
+            self._wait(ops, f"all_reduce (exchange with rank {partner})")
+            reduce_into(data, incoming, op)  # a op b == b op a: every rank gets the same bits
+            self._ready(data)
+            mask, level = mask << 1, level + 1
+
+    def _segments(self, chunk: Any) -> list[Any]:
+        per = max(1, self.segment_bytes // max(1, chunk.itemsize))
+        return [chunk[i : i + per] for i in range(0, chunk.size, per)]
+
+    def _all_reduce_ring(self, data: Any, op: ReduceOp) -> None:
+        p, r = self.size, self.rank
+        bounds = _bounds(data.size, p)
+        chunks = [data[bounds[i] : bounds[i + 1]] for i in range(p)]
+        right, left = (r + 1) % p, (r - 1) % p
+        # Step s sends chunk (r - s) and receives chunk (r - s - 1): reduced into place during
+        # the reduce-scatter steps (s < p - 1), copied into place during the all-gather steps.
+        # What arrives at step s is exactly what leaves at step s + 1, segment by segment.
+        steps = 2 * (p - 1)
+        scratch = [self._scratch(i, data, chunks[0].size) for i in (0, 1)]
+        segs = [self._segments(c) for c in chunks]
+        if len(segs[0]) > MAX_NATIVE_TAGS:
+            raise ValueError(f"rank {r}: all_reduce needs a larger ucc_segment_bytes option")
+        what = "all_reduce"
+
+        def post_recvs(step: int) -> list:
+            c = (r - step - 1) % p
+            if step < p - 1:
+                target = self._segments(scratch[step % 2][: chunks[c].size])
+            else:
+                target = segs[c]
+            return [self._recv(seg, left, NATIVE_TAG + j) for j, seg in enumerate(target)]
+
+        sends = [self._send(seg, right, NATIVE_TAG + j) for j, seg in enumerate(segs[r])]
+        recvs = post_recvs(0)
+        for step in range(steps):
+            following = post_recvs(step + 1) if step + 1 < steps else []
+            c = (r - step - 1) % p
+            incoming = self._segments(scratch[step % 2][: chunks[c].size])
+            for j, request in enumerate(recvs):
+                self._wait([request], what)
+                if step < p - 1:
+                    reduce_into(segs[c][j], incoming[j], op)
+                    self._ready(segs[c][j])
+                if step + 1 < steps:
+                    sends.append(self._send(segs[c][j], right, NATIVE_TAG + j))
+            recvs = following
+        self._wait(sends, what)
+
+    @_keeps_buffers_on_failure
+    def broadcast(self, array: Any, src: int) -> None:
+        p = self.size
+        if p == 1:
+            return
+        v = (self.rank - src) % p  # position in a binary tree rooted at src
+        parent = None if v == 0 else ((v - 1) // 2 + src) % p
+        children = [(c + src) % p for c in (2 * v + 1, 2 * v + 2) if c < p]
+        segs = self._segments(byte_view(array)) or [byte_view(array)]
+        what = f"broadcast from rank {src}"
+        sends = []
+        if parent is None:
+            self._ready(array)
+            for j, seg in enumerate(segs):
+                sends += [self._send(seg, child, NATIVE_TAG + j) for child in children]
+        else:
+            recvs = [self._recv(seg, parent, NATIVE_TAG + j) for j, seg in enumerate(segs)]
+            for j, request in enumerate(recvs):
+                self._wait([request], what)
+                sends += [self._send(segs[j], child, NATIVE_TAG + j) for child in children]
+        self._wait(sends, what)
+
+    @_keeps_buffers_on_failure
+    def all_gather(self, outputs: list, array: Any) -> None:
+        p, r = self.size, self.rank
+        byte_view(outputs[r])[...] = byte_view(array)
+        if p == 1:
+            return
+        self._ready(outputs[r])
+        right, left = (r + 1) % p, (r - 1) % p
+        # Every block lands in its final place, so all receives can be posted at once; the block
+        # that arrives at step s is forwarded at step s + 1.
+        recvs = [self._recv(outputs[(r - s - 1) % p], left, NATIVE_TAG + s) for s in range(p - 1)]
+        sends = [self._send(outputs[r], right, NATIVE_TAG)]
+        for s, request in enumerate(recvs):
+            self._wait([request], "all_gather")
+            if s + 1 < p - 1:
+                sends.append(self._send(outputs[(r - s - 1) % p], right, NATIVE_TAG + s + 1))
+        self._wait(sends, "all_gather")
+
+    @_keeps_buffers_on_failure
+    def reduce_scatter(self, output: Any, inputs: list, op: ReduceOp) -> None:
+        p, r = self.size, self.rank
+        if p == 1:
+            flat(output)[...] = flat(inputs[0])
+            finish_average(output, op, 1)
+            return
+        right, left = (r + 1) % p, (r - 1) % p
+        # Step s sends the partial sum of block (r - s - 1) and receives block (r - s - 2),
+        # adds this rank's part and passes it on; after p - 1 steps block r is complete.
+        for x in inputs:
+            self._ready(x)
+        sends = [self._send(flat(inputs[(r - 1) % p]), right, NATIVE_TAG)]
+        partial = None
+        for s in range(p - 1):
+            c = (r - s - 2) % p
+            last = s == p - 2
+            incoming = flat(output) if last else empty_like(flat(inputs[c]))
+            self._wait([self._recv(incoming, left, NATIVE_TAG + s)], "reduce_scatter")
+            reduce_into(incoming, flat(inputs[c]), op)
+            self._ready(incoming)
+            if not last:
+                sends.append(self._send(incoming, right, NATIVE_TAG + s + 1))
+            partial = incoming  # kept alive until its send completes
+        self._wait(sends, "reduce_scatter")
+        del partial
+        finish_average(output, op, p)
+
+    @_keeps_buffers_on_failure
+    def all_to_all(self, outputs: list, inputs: list) -> None:
+        p, r = self.size, self.rank
+        byte_view(outputs[r])[...] = byte_view(inputs[r])
+        for x in inputs:
+            self._ready(x)
+        order = [(r + k) % p for k in range(1, p)]
+        ops = [self._recv(outputs[(r - k) % p], (r - k) % p, NATIVE_TAG) for k in range(1, p)]
+        ops += [self._send(inputs[dst], dst, NATIVE_TAG) for dst in order]
+        self._wait(ops, "all_to_all")
+
+    @_keeps_buffers_on_failure
+    def gather(self, array: Any, outputs: list | None, dst: int) -> None:
+        if self.rank != dst:
+            self._ready(array)
+            self._wait([self._send(array, dst, NATIVE_TAG)], f"gather to rank {dst}")
+            return
+        assert outputs is not None
+        byte_view(outputs[dst])[...] = byte_view(array)
+        ops = [self._recv(outputs[s], s, NATIVE_TAG) for s in range(self.size) if s != dst]
+        self._wait(ops, "gather")
+
+    @_keeps_buffers_on_failure
+    def scatter(self, array: Any, inputs: list | None, src: int) -> None:
+        if self.rank != src:
+            self._wait([self._recv(array, src, NATIVE_TAG)], f"scatter from rank {src}")
+            return
+        assert inputs is not None
+        byte_view(array)[...] = byte_view(inputs[src])
+        for x in inputs:
+            self._ready(x)
+        ops = [self._send(inputs[d], d, NATIVE_TAG) for d in range(self.size) if d != src]
+        self._wait(ops, "scatter")
+
+    @_keeps_buffers_on_failure
+    def barrier(self) -> None:
+        import numpy as np
+
+        p, r = self.size, self.rank
+        token, got = np.zeros(1, np.uint8), np.zeros(1, np.uint8)
+        distance, level = 1, 0
+        while distance < p:
+            ops = [
+                self._recv(got, (r - distance) % p, NATIVE_TAG + level),
+                self._send(token, (r + distance) % p, NATIVE_TAG + level),
+            ]
+            self._wait(ops, "barrier")
+            distance, level = distance << 1, level + 1
+
+    # -- groups and lifetime -----------------------------------------------------------------------
+    def new_subgroup(self, ranks: list[int], ctx: BackendContext) -> Backend:
+        """A backend for ``ranks`` over the same UCX worker, in a tag space of its own."""
+        if ctx.rank == 0:
+            space = self.t.next_tag_space()
+            ctx.store.set("ucc/tag-space", str(space))
+        else:
+            space = int(ctx.store.get("ucc/tag-space", ctx.timeout))
+        members = [self.members[r] for r in ranks]
+        return UccBackend(self.t, members, ctx.rank, ctx.timeout, space, self.options)
+
+    def abort(self, reason: str) -> None:
+        self.t.abort(reason)
+
+    def close(self) -> None:
+        if self.owns_transport:
+            self.t.close()
+
+
+def create(ctx: BackendContext) -> UccBackend:
+    transport = Transport(ctx.rank, ctx.size, ctx.store, ctx.timeout, dict(ctx.options))
+    return UccBackend(transport, list(range(ctx.size)), ctx.rank, ctx.timeout, 0, dict(ctx.options))

@@ -1,0 +1,25 @@
+"""The core's backend conformance suite on ``ucc``, with real processes at world sizes 2 to 4."""
+
+from __future__ import annotations
+
+import pluribus
+import pytest
+from pluribus.testing import RankPool
+from pluribus.testing.conformance import CHECKS
+
+pytestmark = pytest.mark.skipif(
+    not pluribus.is_available("ucc"),
+    reason=f"ucc backend unavailable: {pluribus.availability('ucc').reason}",
+)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
+def pool(request):
+    with RankPool(request.param, "ucc", "processes", timeout=60) as ranks:
+        yield ranks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])
+def test_ucc_conformance(pool, check):
+    pool.run(check)
