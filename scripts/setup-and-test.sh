@@ -17,7 +17,7 @@ echo "== setting up .venv"
 # shellcheck disable=SC1091
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip setuptools wheel || exit 1
-PLUGINS=(./plugins/gloo ./plugins/mpi ./plugins/nccl ./examples/store_backend)
+PLUGINS=(./plugins/gloo ./plugins/mpi ./plugins/ucc ./plugins/nccl ./examples/store_backend)
 python -m pip install --quiet --force-reinstall --no-deps ./core "${PLUGINS[@]}" || exit 1
 python -m pip install --quiet "./core[test,examples,plot]" "${PLUGINS[@]}" mpich || exit 1
 python -m pluribus plugins
