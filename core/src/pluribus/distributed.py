@@ -20,7 +20,7 @@ from .backend import USER_TAG_LIMIT
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .plugins import default_backend, get_plugin_manager, resolve_backend
-from .store import DEFAULT_TIMEOUT, FileStore, HashStore, PrefixStore, Store, TCPStore
+from .store import DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
 from .types import BackendContext, ReduceOp
 from .work import Work
 
@@ -96,37 +96,14 @@ def _parse_backend(backend: str | None) -> dict[str, str]:
     return mapping
 
 
-def _launcher_world(mapping: dict[str, str]) -> tuple[int, int] | None:
-    """Rank and size from a backend's own launcher (mpiexec), when one of the backends has it."""
-    from .plugins import resolve_backend
-
-    for name in mapping.values():
-        spec = resolve_backend(name)
-        if spec.launcher_world is not None:
-            world = spec.launcher_world()
-            if world is not None:
-                return world
-    return None
-
-
 def _rendezvous(
-    init_method: str | None,
-    rank: int | None,
-    world_size: int | None,
-    timeout: float,
-    mapping: dict[str, str],
+    init_method: str | None, rank: int | None, world_size: int | None, timeout: float
 ) -> tuple[Store, int, int]:
     env = os.environ
     if rank is None or rank < 0:
         rank = int(env["RANK"]) if "RANK" in env else None
     if world_size is None or world_size < 0:
         world_size = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None
-    from_launcher = False
-    if rank is None or world_size is None:
-        world = _launcher_world(mapping)
-        if world is not None:
-            rank, world_size = world
-            from_launcher = True
     if rank is None or world_size is None:
         raise ValueError(
             "init_process_group needs rank and world_size: pass them, set RANK and WORLD_SIZE, "
@@ -137,8 +114,6 @@ def _rendezvous(
     url = urlparse(init_method or "env://")
     if url.scheme == "env":
         if "MASTER_PORT" not in env:
-            if from_launcher:
-                return HashStore(timeout), rank, world_size
             raise ValueError(
                 "init_method env:// needs MASTER_PORT (and MASTER_ADDR for several hosts); "
                 "pluribus-run sets both"
@@ -185,7 +160,16 @@ def init_process_group(
     for name in set(mapping.values()):
         resolve_backend(name)
     if store is None:
-        store, rank, world_size = _rendezvous(init_method, rank, world_size, seconds, mapping)
+        found = _hook().pluribus_rendezvous(
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=seconds,
+            backends=mapping,
+        )
+        if found is None:
+            found = _rendezvous(init_method, rank, world_size, seconds)
+        store, rank, world_size = found
         owns_store = True
     else:
         if rank is None or world_size is None:

@@ -22,6 +22,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
+    from .store import Store
     from .types import Availability, BackendSpec, ReduceOp
     from .work import Work
 
@@ -68,6 +69,29 @@ def pluribus_probe_backend(spec: BackendSpec) -> Availability | None:
         def pluribus_probe_backend(spec):
             if spec.name == "mpi" and socket.gethostname().startswith("login"):
                 return Availability(False, "login node", "submit the job with sbatch")
+    """
+
+
+@hookspec(firstresult=True)
+def pluribus_rendezvous(
+    init_method: str | None,
+    rank: int | None,
+    world_size: int | None,
+    timeout: float,
+    backends: dict[str, str],
+) -> tuple[Store, int, int] | None:
+    """Return ``(store, rank, world_size)`` when this process was started by a launcher that
+    pluribus does not know (mpiexec, srun), or None to let the core use env://, tcp:// or file://.
+
+    ``backends`` maps each device to the backend name asked for. Example, a SLURM plugin::
+
+        @hookimpl
+        def pluribus_rendezvous(init_method, rank, world_size, timeout, backends):
+            if "SLURM_PROCID" not in os.environ or init_method not in (None, "env://"):
+                return None
+            rank, size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+            host = os.environ["SLURM_LAUNCH_NODE_IPADDR"]
+            return TCPStore(host, 29500, is_master=rank == 0, timeout=timeout), rank, size
     """
 
 

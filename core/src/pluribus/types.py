@@ -65,9 +65,6 @@ class BackendSpec:
     Availability`` must be cheap, must not raise, and is where a plugin imports its heavy library.
     ``devices`` lists the array devices the backend carries ("cpu", "cuda"). Among available
     backends for a device, the highest ``priority`` is picked when the user names none.
-    ``launcher_world() -> (rank, world_size) | None`` is for backends whose own launcher
-    defines the ranks (mpiexec): when RANK/WORLD_SIZE are not set, the core asks it, and without
-    MASTER_PORT such a job rendezvouses through a process-local store (the backend needs none).
     """
 
     name: str
@@ -76,7 +73,6 @@ class BackendSpec:
     devices: tuple[str, ...] = ("cpu",)
     priority: int = 0
     description: str = ""
-    launcher_world: Callable[[], tuple[int, int] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,118 @@
+"""Helpers for the mpi plugin's tests (a module of its own: conftest is not importable by name
+when several test folders have one)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from pluribus_mpi.env import in_mpi_job
+
+#: Seconds a collective may wait in these tests before it raises DistTimeoutError.
+TEST_TIMEOUT = 60.0
+REPO = Path(__file__).resolve().parents[3]
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec: pip install mpich (or load your MPI module)")
+    return found
+
+
+def outside_mpi_job() -> None:
+    """Skip a test that starts its own processes when pytest itself is an MPI rank."""
+    if in_mpi_job():
+        pytest.skip("starts its own processes: runs in the plain pytest run, not under mpiexec")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without launcher or rendezvous variables, plus ``extra``."""
+    drop = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PMI_",
+        "OMPI_",
+        "PMIX_",
+        "MV2_",
+        "HYDRA_",
+        "MPI_LOCAL",
+        "PLURIBUS_",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(extra)
+    return env
+
+
+def run_python(
+    code: str, timeout: float = 60, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python (not an MPI job) and return the finished process."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+        cwd=REPO,
+    )
+
+
+def run_mpiexec(
+    ranks: int,
+    script: str,
+    tmp_path: Path,
+    timeout: float = 60,
+    genv: dict | None = None,
+    args: list[str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` (Python source) as an MPI job of ``ranks`` ranks."""
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(script))
+    command = [mpiexec(), "-n", str(ranks)]
+    for key, value in (genv or {}).items():
+        command += ["-genv", key, value]
+    command += [sys.executable, str(path)] + (args or [])
+    return run_job(command, timeout)
+
+
+def run_job(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``command`` in a session of its own; whatever is left of it is killed on return."""
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"{command[:4]}... still running after {timeout:.0f}s; output:\n{out}\n{err}"
+        ) from None
+    finally:
+        _kill_session(proc.pid)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
