@@ -18,9 +18,21 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "store_backend"
 def installed(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(EXAMPLE)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert list(target.glob("pluribus_storebackend-*.dist-info/entry_points.txt"))
@@ -29,8 +41,13 @@ def installed(tmp_path_factory):
 
 @pytest.mark.timeout(120)
 def test_found_by_entry_point(installed):
-    done = subprocess.run([sys.executable, "-m", "pluribus", "plugins", "--json"],
-                          capture_output=True, text=True, env=installed, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "pluribus", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        env=installed,
+        timeout=60,
+    )
     rows = {r["plugin"]: r for r in json.loads(done.stdout)}
     assert rows["storebackend"]["distribution"] == "pluribus-storebackend"
     assert rows["storebackend"]["backends"][0]["available"]
@@ -39,10 +56,26 @@ def test_found_by_entry_point(installed):
 @pytest.mark.timeout(300)
 def test_passes_the_conformance_suite_across_processes(installed):
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-         "pluribus.testing.conformance", "--pluribus-backend", "storebackend",
-         "--pluribus-world-sizes", "3", "--pluribus-mode", "processes"],
-        capture_output=True, text=True, env=installed, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--pyargs",
+            "pluribus.testing.conformance",
+            "--pluribus-backend",
+            "storebackend",
+            "--pluribus-world-sizes",
+            "3",
+            "--pluribus-mode",
+            "processes",
+        ],
+        capture_output=True,
+        text=True,
+        env=installed,
+        timeout=280,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout

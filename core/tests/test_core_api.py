@@ -6,9 +6,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
-
 import pluribus as pb
+import pytest
 from pluribus.distributed import _parse_backend
 from pluribus.testing import RanksFailed, run_ranks
 

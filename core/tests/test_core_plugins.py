@@ -97,23 +97,30 @@ def test_two_plugins_with_one_backend_name_is_an_error_naming_both(tmp_path):
     src = GOOD_PLUGIN.format(backend="samename", ok=True, reason="", remedy="")
     make_distribution(tmp_path, "first-dist", "first", "first_plugin", src)
     make_distribution(tmp_path, "second-dist", "second", "second_plugin", src)
-    done = run_python("import pluribus; pluribus.init_process_group('samename', rank=0, "
-                      "world_size=1, store=pluribus.HashStore())", tmp_path)
+    done = run_python(
+        "import pluribus; pluribus.init_process_group('samename', rank=0, "
+        "world_size=1, store=pluribus.HashStore())",
+        tmp_path,
+    )
     assert done.returncode != 0
     assert "first-dist" in done.stderr and "second-dist" in done.stderr
     assert "PLURIBUS_DISABLE_PLUGINS" in done.stderr
 
 
 def test_unavailable_backend_reports_reason_and_remedy(tmp_path):
-    src = GOOD_PLUGIN.format(backend="needslib", ok=False, reason="libfoo missing",
-                             remedy="apt install libfoo")
+    src = GOOD_PLUGIN.format(
+        backend="needslib", ok=False, reason="libfoo missing", remedy="apt install libfoo"
+    )
     make_distribution(tmp_path, "needslib-dist", "needslib", "needslib_plugin", src)
     rows = {r["plugin"]: r for r in listing(tmp_path)}
     b = rows["needslib"]["backends"][0]
     assert not b["available"] and b["reason"] == "libfoo missing"
     assert b["remedy"] == "apt install libfoo"
-    done = run_python("import pluribus; pluribus.init_process_group('needslib', rank=0, "
-                      "world_size=1, store=pluribus.HashStore())", tmp_path)
+    done = run_python(
+        "import pluribus; pluribus.init_process_group('needslib', rank=0, "
+        "world_size=1, store=pluribus.HashStore())",
+        tmp_path,
+    )
     assert "libfoo missing" in done.stderr and "apt install libfoo" in done.stderr
 
 
@@ -127,8 +134,9 @@ def test_probe_that_raises_becomes_a_reason(tmp_path):
         yield pluribus.BackendSpec(name="crashy", create=lambda ctx: None, probe=probe)
     """
     make_distribution(tmp_path, "crashy-dist", "crashy", "crashy_plugin", src)
-    out = run_python("import pluribus; s = pluribus.availability('crashy'); print(s.ok, s.reason)",
-                     tmp_path).stdout
+    out = run_python(
+        "import pluribus; s = pluribus.availability('crashy'); print(s.ok, s.reason)", tmp_path
+    ).stdout
     assert out.startswith("False") and "driver exploded" in out
 
 
@@ -154,8 +162,10 @@ def test_missing_first_party_plugins_say_how_to_install(monkeypatch):
 
 
 def test_unknown_backend_error_lists_installed_and_install_command():
-    done = run_python("import pluribus; pluribus.init_process_group('nosuch', rank=0, "
-                      "world_size=1, store=pluribus.HashStore())")
+    done = run_python(
+        "import pluribus; pluribus.init_process_group('nosuch', rank=0, "
+        "world_size=1, store=pluribus.HashStore())"
+    )
     assert "nosuch" in done.stderr and "threads" in done.stderr
     assert 'pip install "pluribus[gloo]"' in done.stderr
 
@@ -171,11 +181,16 @@ def test_import_pluribus_loads_no_heavy_library():
 @pytest.mark.parametrize("variant", ["table", "json"])
 def test_cli_runs_as_module(variant):
     args = ["plugins"] + (["--json"] if variant == "json" else [])
-    done = subprocess.run([sys.executable, "-m", "pluribus", *args], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "pluribus", *args], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     if variant == "json":
         assert any(r["plugin"] == "threads" for r in json.loads(done.stdout))
     else:
-        assert done.stdout.splitlines()[0].split()[:4] == ["plugin", "distribution", "version",
-                                                           "backend"]
+        assert done.stdout.splitlines()[0].split()[:4] == [
+            "plugin",
+            "distribution",
+            "version",
+            "backend",
+        ]

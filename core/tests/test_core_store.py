@@ -8,9 +8,14 @@ import threading
 import time
 
 import pytest
-
-from pluribus import AuthenticationError, DistTimeoutError, FileStore, HashStore, PrefixStore
-from pluribus import TCPStore
+from pluribus import (
+    AuthenticationError,
+    DistTimeoutError,
+    FileStore,
+    HashStore,
+    PrefixStore,
+    TCPStore,
+)
 
 
 @pytest.fixture(params=["hash", "file", "tcp"])

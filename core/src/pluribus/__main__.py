@@ -1,4 +1,4 @@
-"""``python -m pluribus plugins [--json]``: what is installed, what works, and how to fix the rest."""
+"""``python -m pluribus plugins [--json]``: what is installed, what works, how to fix the rest."""
 
 from __future__ import annotations
 
@@ -48,8 +48,15 @@ def plugin_rows() -> list[dict]:
                     "version": None,
                     "builtin": False,
                     "backends": [
-                        {"name": name, "available": False, "reason": s.reason,
-                         "remedy": s.remedy, "version": "", "devices": [], "details": {}}
+                        {
+                            "name": name,
+                            "available": False,
+                            "reason": s.reason,
+                            "remedy": s.remedy,
+                            "version": "",
+                            "devices": [],
+                            "details": {},
+                        }
                     ],
                     "error": "not installed",
                 }
@@ -83,7 +90,7 @@ def _print_table(rows: list[dict]) -> None:
             notes.append(f"plugin {row['plugin']!r} did not load: {row['error']}")
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header) - 1)]
     for line in lines:
-        cells = [str(c).ljust(w) for c, w in zip(line, widths)]
+        cells = [str(c).ljust(w) for c, w in zip(line, widths, strict=False)]
         print("  ".join(cells + [str(line[-1])]).rstrip())
     for note in notes:
         print(note)

@@ -49,7 +49,7 @@ def supported_dtypes() -> frozenset[np.dtype]:
 
 
 def device_of(array: Any) -> str:
-    """"cuda" for a cupy array, "cpu" for anything numpy can see without a copy."""
+    """ "cuda" for a cupy array, "cpu" for anything numpy can see without a copy."""
     module = type(array).__module__
     if module.startswith("cupy"):
         return "cuda"

@@ -89,8 +89,7 @@ def _parse_backend(backend: str | None) -> dict[str, str]:
         device, _, name = part.strip().partition(":")
         if device not in ("cpu", "cuda") or not name:
             raise ValueError(
-                f"backend string {backend!r}: expected 'name' or 'cpu:name,cuda:name', got "
-                f"{part!r}"
+                f"backend string {backend!r}: expected 'name' or 'cpu:name,cuda:name', got {part!r}"
             )
         mapping[device] = name
     return mapping
@@ -304,8 +303,9 @@ def _check_same(array: Any, other: Any, what: str, rank: int) -> None:
     if np.dtype(other.dtype) != np.dtype(array.dtype):
         raise TypeError(f"rank {rank}: {what} has dtype {other.dtype}, expected {array.dtype}")
     if device_of(other) != device_of(array):
-        raise TypeError(f"rank {rank}: {what} is on {device_of(other)}, the input on "
-                        f"{device_of(array)}")
+        raise TypeError(
+            f"rank {rank}: {what} is on {device_of(other)}, the input on {device_of(array)}"
+        )
 
 
 def _split_rows(array: Any, size: int, rows: int | None = None) -> list[Any]:
@@ -334,7 +334,9 @@ def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> None:
 
 
 def all_reduce(
-    array: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    array: Any,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``array`` across the group, in place on every rank."""
@@ -358,7 +360,10 @@ def broadcast(
 
 
 def reduce(
-    array: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    array: Any,
+    dst: int = 0,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``array`` across the group into rank ``dst``'s ``array``; others keep theirs."""
@@ -385,13 +390,17 @@ def all_gather(
     if isinstance(output, (list, tuple)):
         outputs = list(output)
         if len(outputs) != g.size:
-            raise ValueError(f"rank {r}: all_gather output list has {len(outputs)} arrays, "
-                             f"the group has {g.size} ranks")
+            raise ValueError(
+                f"rank {r}: all_gather output list has {len(outputs)} arrays, "
+                f"the group has {g.size} ranks"
+            )
         for i, o in enumerate(outputs):
             _check_same(array, o, f"output[{i}]", r)
         if outputs[g.rank].size != array.size:
-            raise ValueError(f"rank {r}: output[{g.rank}] has {outputs[g.rank].size} elements, "
-                             f"this rank's input {array.size}")
+            raise ValueError(
+                f"rank {r}: output[{g.rank}] has {outputs[g.rank].size} elements, "
+                f"this rank's input {array.size}"
+            )
     else:
         _check_same(array, output, "output", r)
         if output.size != array.size * g.size:
@@ -409,7 +418,10 @@ all_gather_into_tensor = all_gather
 
 
 def reduce_scatter(
-    output: Any, input: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    output: Any,
+    input: Any,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce across the group and leave block ``rank`` of the result in ``output``.
@@ -424,13 +436,17 @@ def reduce_scatter(
     if isinstance(input, (list, tuple)):
         inputs = list(input)
         if len(inputs) != g.size:
-            raise ValueError(f"rank {r}: reduce_scatter input list has {len(inputs)} arrays, "
-                             f"the group has {g.size} ranks")
+            raise ValueError(
+                f"rank {r}: reduce_scatter input list has {len(inputs)} arrays, "
+                f"the group has {g.size} ranks"
+            )
         for i, x in enumerate(inputs):
             _check_same(output, x, f"input[{i}]", r)
         if inputs[g.rank].size != output.size:
-            raise ValueError(f"rank {r}: input[{g.rank}] has {inputs[g.rank].size} elements but "
-                             f"output has {output.size}")
+            raise ValueError(
+                f"rank {r}: input[{g.rank}] has {inputs[g.rank].size} elements but "
+                f"output has {output.size}"
+            )
     else:
         _check_same(output, input, "input", r)
         if input.size != output.size * g.size:
@@ -450,15 +466,19 @@ reduce_scatter_tensor = reduce_scatter
 
 
 def all_to_all(
-    outputs: list[Any], inputs: list[Any], group: ProcessGroup | None = None,
+    outputs: list[Any],
+    inputs: list[Any],
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Send ``inputs[j]`` to rank ``j``; receive rank ``j``'s array into ``outputs[j]``."""
     g = _group(group)
     r = g.global_rank
     if len(outputs) != g.size or len(inputs) != g.size:
-        raise ValueError(f"rank {r}: all_to_all needs {g.size} inputs and outputs, got "
-                         f"{len(inputs)} and {len(outputs)}")
+        raise ValueError(
+            f"rank {r}: all_to_all needs {g.size} inputs and outputs, got "
+            f"{len(inputs)} and {len(outputs)}"
+        )
     check_array(inputs[0], "inputs[0]", r, writable=False)
     g.backend_for(inputs[0])
     for i in range(g.size):
@@ -466,14 +486,18 @@ def all_to_all(
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
     if outputs[g.rank].size != inputs[g.rank].size:
         raise ValueError(f"rank {r}: outputs[{g.rank}] and inputs[{g.rank}] differ in size")
-    work = _hook().pluribus_all_to_all(group=g, outputs=list(outputs), inputs=list(inputs),
-                                       async_op=async_op)
+    work = _hook().pluribus_all_to_all(
+        group=g, outputs=list(outputs), inputs=list(inputs), async_op=async_op
+    )
     return work if async_op else None
 
 
 def all_to_all_single(
-    output: Any, input: Any, output_split_sizes: list[int] | None = None,
-    input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
+    output: Any,
+    input: Any,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """All-to-all on rows of single arrays; split sizes (in rows) may differ per rank."""
@@ -482,25 +506,34 @@ def all_to_all_single(
     check_array(input, "input", r, writable=False)
     _check_same(input, output, "output", r)
     splits = {}
-    for what, arr, sizes in (("input", input, input_split_sizes),
-                              ("output", output, output_split_sizes)):
+    for what, arr, sizes in (
+        ("input", input, input_split_sizes),
+        ("output", output, output_split_sizes),
+    ):
         rows = arr.shape[0] if arr.ndim else 1
         if sizes is None:
             if rows % g.size:
-                raise ValueError(f"rank {r}: {what} has {rows} rows, not divisible by the group "
-                                 f"size {g.size}; pass {what}_split_sizes")
+                raise ValueError(
+                    f"rank {r}: {what} has {rows} rows, not divisible by the group "
+                    f"size {g.size}; pass {what}_split_sizes"
+                )
             sizes = [rows // g.size] * g.size
         sizes = list(sizes)
         if len(sizes) != g.size or sum(sizes) != rows or any(s < 0 for s in sizes):
-            raise ValueError(f"rank {r}: {what}_split_sizes {sizes} must be {g.size} "
-                             f"non-negative numbers adding up to the {rows} rows of {what}")
+            raise ValueError(
+                f"rank {r}: {what}_split_sizes {sizes} must be {g.size} "
+                f"non-negative numbers adding up to the {rows} rows of {what}"
+            )
         splits[what] = _split_by(arr, sizes)
     return all_to_all(splits["output"], splits["input"], group=g, async_op=async_op)
 
 
 def gather(
-    array: Any, gather_list: list[Any] | None = None, dst: int = 0,
-    group: ProcessGroup | None = None, async_op: bool = False,
+    array: Any,
+    gather_list: list[Any] | None = None,
+    dst: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     g = _group(group)
     r = g.global_rank
@@ -509,21 +542,26 @@ def gather(
     local = g.group_rank(dst, "dst")
     if g.rank == local:
         if gather_list is None or len(gather_list) != g.size:
-            raise ValueError(f"rank {r}: gather on the destination rank needs gather_list with "
-                             f"{g.size} arrays")
+            raise ValueError(
+                f"rank {r}: gather on the destination rank needs gather_list with {g.size} arrays"
+            )
         for i, o in enumerate(gather_list):
             _check_same(array, o, f"gather_list[{i}]", r)
         gather_list = list(gather_list)
     elif gather_list is not None:
         raise ValueError(f"rank {r}: gather_list must be None on ranks other than dst={dst}")
-    work = _hook().pluribus_gather(group=g, array=array, outputs=gather_list, dst=local,
-                                   async_op=async_op)
+    work = _hook().pluribus_gather(
+        group=g, array=array, outputs=gather_list, dst=local, async_op=async_op
+    )
     return work if async_op else None
 
 
 def scatter(
-    array: Any, scatter_list: list[Any] | None = None, src: int = 0,
-    group: ProcessGroup | None = None, async_op: bool = False,
+    array: Any,
+    scatter_list: list[Any] | None = None,
+    src: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     g = _group(group)
     r = g.global_rank
@@ -532,20 +570,23 @@ def scatter(
     local = g.group_rank(src, "src")
     if g.rank == local:
         if scatter_list is None or len(scatter_list) != g.size:
-            raise ValueError(f"rank {r}: scatter on the source rank needs scatter_list with "
-                             f"{g.size} arrays")
+            raise ValueError(
+                f"rank {r}: scatter on the source rank needs scatter_list with {g.size} arrays"
+            )
         for i, x in enumerate(scatter_list):
             check_array(x, f"scatter_list[{i}]", r, writable=False)
             if np.dtype(x.dtype) != np.dtype(array.dtype):
-                raise TypeError(f"rank {r}: scatter_list[{i}] has dtype {x.dtype}, expected "
-                                f"{array.dtype}")
+                raise TypeError(
+                    f"rank {r}: scatter_list[{i}] has dtype {x.dtype}, expected {array.dtype}"
+                )
         if scatter_list[local].size != array.size:
             raise ValueError(f"rank {r}: scatter_list[{local}] does not match the output size")
         scatter_list = list(scatter_list)
     elif scatter_list is not None:
         raise ValueError(f"rank {r}: scatter_list must be None on ranks other than src={src}")
-    work = _hook().pluribus_scatter(group=g, array=array, inputs=scatter_list, src=local,
-                                    async_op=async_op)
+    work = _hook().pluribus_scatter(
+        group=g, array=array, inputs=scatter_list, src=local, async_op=async_op
+    )
     return work if async_op else None
 
 
@@ -558,8 +599,10 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work |
 def _peer(g: ProcessGroup, peer: int, what: str, tag: int) -> int:
     local = g.group_rank(peer, what)
     if local == g.rank:
-        raise ValueError(f"rank {g.global_rank}: {what}={peer} is this rank itself; point-to-point "
-                         "operations need another rank")
+        raise ValueError(
+            f"rank {g.global_rank}: {what}={peer} is this rank itself; point-to-point "
+            "operations need another rank"
+        )
     if not 0 <= tag < USER_TAG_LIMIT:
         raise ValueError(f"rank {g.global_rank}: tag {tag} must be in [0, {USER_TAG_LIMIT})")
     return local
@@ -569,16 +612,18 @@ def send(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) 
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
     g.backend_for(array)
-    _hook().pluribus_send(group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag,
-                          async_op=False)
+    _hook().pluribus_send(
+        group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag, async_op=False
+    )
 
 
 def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
     g = _group(group)
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
-    _hook().pluribus_recv(group=g, array=array, src=_peer(g, src, "src", tag), tag=tag,
-                          async_op=False)
+    _hook().pluribus_recv(
+        group=g, array=array, src=_peer(g, src, "src", tag), tag=tag, async_op=False
+    )
     return src
 
 
@@ -586,16 +631,18 @@ def isend(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0)
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
     g.backend_for(array)
-    return _hook().pluribus_send(group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag,
-                                 async_op=True)
+    return _hook().pluribus_send(
+        group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag, async_op=True
+    )
 
 
 def irecv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     g = _group(group)
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
-    return _hook().pluribus_recv(group=g, array=array, src=_peer(g, src, "src", tag), tag=tag,
-                                 async_op=True)
+    return _hook().pluribus_recv(
+        group=g, array=array, src=_peer(g, src, "src", tag), tag=tag, async_op=True
+    )
 
 
 # -- small Python objects -------------------------------------------------------------------------

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .arrays import device_of
 from .backend import Backend

@@ -16,7 +16,8 @@ In the collective hooks ranks (``src``, ``dst``) are group-local, ``group`` is t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 

@@ -78,7 +78,9 @@ def _load() -> _Registry:
         dist = ep.dist.name if ep.dist else None
         version = ep.dist.version if ep.dist else None
         if ep.name in disabled:
-            plugins[ep.name] = PluginInfo(ep.name, dist, version, error=f"disabled by {DISABLE_ENV}")
+            plugins[ep.name] = PluginInfo(
+                ep.name, dist, version, error=f"disabled by {DISABLE_ENV}"
+            )
             continue
         try:
             plugin = ep.load()
@@ -104,6 +106,9 @@ def _version(dist: str) -> str | None:
 
 def registry() -> _Registry:
     global _registry
+    found = _registry  # the fast path of every collective: no lock once loaded
+    if found is not None:
+        return found
     with _registry_lock:
         if _registry is None:
             _registry = _load()
@@ -214,9 +219,7 @@ def _probe(name: str) -> Availability:
                 f"plugin {name!r} ({dist}) is installed but did not load: {info.error}",
                 f"reinstall it: pip install --force-reinstall {dist}",
             )
-        return Availability(
-            False, f"the {dist} plugin is not installed", install_command(name)
-        )
+        return Availability(False, f"the {dist} plugin is not installed", install_command(name))
     known = ", ".join(sorted(specs)) or "none"
     return Availability(
         False,

@@ -337,7 +337,9 @@ class _TCPStoreServer:
         self.port = self.listener.getsockname()[1]
         self._closed = False
         self._clients: set[socket.socket] = set()
-        self._thread = threading.Thread(target=self._accept_loop, name="pluribus-store", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="pluribus-store", daemon=True
+        )
         self._thread.start()
 
     def _accept_loop(self) -> None:

@@ -26,7 +26,7 @@ def _to_host(item: Any) -> Any:
 
 def _copy_back(device_item: Any, host_item: Any) -> None:
     if isinstance(device_item, list):
-        for d, h in zip(device_item, host_item):
+        for d, h in zip(device_item, host_item, strict=True):
             _copy_back(d, h)
     elif device_item is not None and device_item is not host_item:
         device_item.set(host_item)

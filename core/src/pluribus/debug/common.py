@@ -19,7 +19,6 @@ from collections.abc import Generator
 from typing import Any
 
 from ..hookspecs import hookimpl
-from ..work import FutureWork
 
 #: Operations every rank of a group must call together (p2p ones are not checked across ranks).
 COLLECTIVE_OPS = frozenset(
@@ -128,10 +127,11 @@ class CollectiveCall:
 
 
 def when_done(work: Any, callback) -> None:
-    """Call ``callback(error_or_None)`` when ``work`` finishes: now for a finished Work, from
-    the finishing thread for a :class:`~pluribus.work.FutureWork`."""
-    if isinstance(work, FutureWork):
-        work.add_done_callback(lambda w: callback(w.exception()))
+    """Call ``callback(error_or_None)`` when ``work`` finishes: from the finishing thread for a
+    Work that takes done callbacks (FutureWork, a plugin's request-backed Work), else now."""
+    add = getattr(work, "add_done_callback", None)
+    if add is not None and not work.is_completed():
+        add(lambda w: callback(w.exception()))
     else:
         callback(None)
 

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hookspecs import hookimpl
-from ..work import FutureWork
-from .common import CollectiveCall, CollectiveWrapper, global_rank, set_registered
+from .common import CollectiveCall, CollectiveWrapper, global_rank, set_registered, when_done
 
 SIZE_ENV = "PLURIBUS_FLIGHT_RECORDER"
 DIR_ENV = "PLURIBUS_FLIGHT_RECORDER_DIR"
@@ -114,10 +113,7 @@ class FlightRecorder(CollectiveWrapper):
         except BaseException as exc:
             self._finished(entry, exc)
             raise
-        if isinstance(work, FutureWork):
-            work.add_done_callback(lambda w: self._finished(entry, w.exception()))
-        else:
-            entry.finish(None)
+        when_done(work, lambda error: self._finished(entry, error))
         return work
 
     def _finished(self, entry: Entry, error: BaseException | None) -> None:

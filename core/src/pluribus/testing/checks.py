@@ -129,8 +129,11 @@ def check_all_reduce_large() -> None:
         for n in SIZES:
             x = rank_input(rank, n, np.dtype(dtype))
             pb.all_reduce(x)
-            assert_equal(x, expected_reduction(size, n, np.dtype(dtype), ReduceOp.SUM),
-                         f"all_reduce SUM {np.dtype(dtype)} n={n}")
+            assert_equal(
+                x,
+                expected_reduction(size, n, np.dtype(dtype), ReduceOp.SUM),
+                f"all_reduce SUM {np.dtype(dtype)} n={n}",
+            )
     # a multi-dimensional array is reduced in place, shape kept
     x = np.full((3, 5, 2), rank + 1.0, dtype=np.float64)
     pb.all_reduce(x, ReduceOp.MAX)
@@ -140,15 +143,22 @@ def check_all_reduce_large() -> None:
 def check_reduce() -> None:
     rank, size = pb.get_rank(), pb.get_world_size()
     for dst in range(size):
-        for dtype, op in ((np.float32, ReduceOp.SUM), (np.int32, ReduceOp.MAX),
-                          (np.float64, ReduceOp.AVG), (np.int64, ReduceOp.BXOR)):
+        for dtype, op in (
+            (np.float32, ReduceOp.SUM),
+            (np.int32, ReduceOp.MAX),
+            (np.float64, ReduceOp.AVG),
+            (np.int64, ReduceOp.BXOR),
+        ):
             for n in (0, 1, 1000):
                 x = rank_input(rank, n, np.dtype(dtype), op)
                 before = x.copy()
                 pb.reduce(x, dst, op)
                 if rank == dst:
-                    assert_equal(x, expected_reduction(size, n, np.dtype(dtype), op),
-                                 f"reduce {op.name} to {dst}")
+                    assert_equal(
+                        x,
+                        expected_reduction(size, n, np.dtype(dtype), op),
+                        f"reduce {op.name} to {dst}",
+                    )
                 else:
                     assert_equal(x, before, f"reduce leaves non-root rank {rank} unchanged")
 
@@ -174,12 +184,16 @@ def check_all_gather() -> None:
             out = np.zeros(size * n, dtype=dtype)
             pb.all_gather(out, rank_input(rank, n, dtype))
             for r in range(size):
-                assert_equal(out[r * n : (r + 1) * n], rank_input(r, n, dtype),
-                             f"all_gather into one array, block {r}, n={n}")
+                assert_equal(
+                    out[r * n : (r + 1) * n],
+                    rank_input(r, n, dtype),
+                    f"all_gather into one array, block {r}, n={n}",
+                )
             outs = [np.zeros(n, dtype=dtype) for _ in range(size)]
             pb.all_gather(outs, rank_input(rank, n, dtype))
             for r in range(size):
                 assert_equal(outs[r], rank_input(r, n, dtype), f"all_gather list [{r}] n={n}")
+
     # uneven: rank r contributes r * 3 + 1 elements (and rank 1 none at all when size > 2)
     def count(r):
         return 0 if (r == 1 and size > 2) else r * 3 + 1
@@ -192,8 +206,12 @@ def check_all_gather() -> None:
 
 def check_reduce_scatter() -> None:
     rank, size = pb.get_rank(), pb.get_world_size()
-    for dtype, op in ((np.float32, ReduceOp.SUM), (np.int64, ReduceOp.MIN),
-                      (np.float64, ReduceOp.AVG), (np.uint8, ReduceOp.BOR)):
+    for dtype, op in (
+        (np.float32, ReduceOp.SUM),
+        (np.int64, ReduceOp.MIN),
+        (np.float64, ReduceOp.AVG),
+        (np.uint8, ReduceOp.BOR),
+    ):
         dtype = np.dtype(dtype)
         for n in (0, 1, 5, 1000, (1 << 18) + 1):
             full = rank_input(rank, n * size, dtype, op)
@@ -215,21 +233,26 @@ def check_reduce_scatter() -> None:
 def check_all_to_all() -> None:
     rank, size = pb.get_rank(), pb.get_world_size()
     for n in (0, 1, 3, 1000, 1 << 18):
-        x = (np.arange(size * n, dtype=np.int64) + 1000 * rank)
+        x = np.arange(size * n, dtype=np.int64) + 1000 * rank
         out = np.full(size * n, -1, dtype=np.int64)
         pb.all_to_all_single(out, x)
         for src in range(size):
             expected = np.arange(rank * n, (rank + 1) * n) + 1000 * src
             assert_equal(out[src * n : (src + 1) * n], expected, f"all_to_all n={n} from {src}")
+
     # uneven: rank s sends (s + d) % 3 rows of width 2 to rank d
     def rows(s, d):
         return (s + d) % 3
 
     send_sizes = [rows(rank, d) for d in range(size)]
     recv_sizes = [rows(s, rank) for s in range(size)]
-    x = np.concatenate(
-        [np.full((rows(rank, d), 2), 10 * rank + d, dtype=np.float32) for d in range(size)]
-    ) if sum(send_sizes) else np.zeros((0, 2), np.float32)
+    x = (
+        np.concatenate(
+            [np.full((rows(rank, d), 2), 10 * rank + d, dtype=np.float32) for d in range(size)]
+        )
+        if sum(send_sizes)
+        else np.zeros((0, 2), np.float32)
+    )
     out = np.zeros((sum(recv_sizes), 2), dtype=np.float32)
     pb.all_to_all_single(out, x, recv_sizes, send_sizes)
     start = 0
@@ -257,7 +280,8 @@ def check_gather_scatter() -> None:
                     assert_equal(outs[r], rank_input(r, n, np.dtype(np.float64)), "gather")
             y = np.zeros(n, dtype=np.int32)
             pieces = (
-                [rank_input(r, n, np.dtype(np.int32)) for r in range(size)] if rank == root
+                [rank_input(r, n, np.dtype(np.int32)) for r in range(size)]
+                if rank == root
                 else None
             )
             pb.scatter(y, pieces, src=root)
@@ -461,16 +485,37 @@ def check_bad_input() -> None:
     _expect(ValueError, pb.all_gather, np.zeros(size * 8 + 1, np.float32), x)
     _expect(ValueError, pb.all_gather, [np.zeros(8, np.float32)] * (size + 1), x)
     _expect(TypeError, pb.all_gather, np.zeros(size * 8, np.float64), x)
-    _expect(ValueError, pb.reduce_scatter, np.zeros(3, np.float32), np.zeros(3 * size + 1, np.float32))
-    _expect(ValueError, pb.all_to_all_single, np.zeros(size * 2), np.zeros(size * 2),
-            [2] * size, [1] * size, must_mention="adding up")
+    _expect(
+        ValueError, pb.reduce_scatter, np.zeros(3, np.float32), np.zeros(3 * size + 1, np.float32)
+    )
+    _expect(
+        ValueError,
+        pb.all_to_all_single,
+        np.zeros(size * 2),
+        np.zeros(size * 2),
+        [2] * size,
+        [1] * size,
+        must_mention="adding up",
+    )
     _expect(ValueError, pb.send, x, dst=(rank + 1) % size if size > 1 else 0, tag=-1)
-    _expect(PluribusError, pb.init_process_group, "threads", rank=rank, world_size=size,
-            store=pb.HashStore(), must_mention="already")
+    _expect(
+        PluribusError,
+        pb.init_process_group,
+        "threads",
+        rank=rank,
+        world_size=size,
+        store=pb.HashStore(),
+        must_mention="already",
+    )
     from pluribus.plugins import resolve_backend
 
-    _expect(pb.BackendUnavailableError, resolve_backend, "no-such-backend-xyz",
-            must_mention="pip install", names_rank=False)
+    _expect(
+        pb.BackendUnavailableError,
+        resolve_backend,
+        "no-such-backend-xyz",
+        must_mention="pip install",
+        names_rank=False,
+    )
     # nothing was sent by the refused calls: the group still works and is in step
     y = np.full(4, float(rank))
     pb.all_reduce(y)

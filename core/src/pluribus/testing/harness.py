@@ -14,8 +14,9 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..store import HashStore, TCPStore
 
@@ -220,7 +221,9 @@ class _ProcessRanks:
         first_failure: float | None = None
         while waiting:
             now = time.monotonic()
-            limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
+            limit = (
+                deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE)
+            )
             if now >= limit:
                 break
             for rank in sorted(waiting):
@@ -289,9 +292,7 @@ class _InplaceRank:
         import pluribus
 
         if not pluribus.is_initialized():
-            pluribus.init_process_group(
-                backend, timeout=timeout, backend_options=backend_options
-            )
+            pluribus.init_process_group(backend, timeout=timeout, backend_options=backend_options)
         self.world_size = pluribus.get_world_size()
 
     def run(self, fn: Callable, args: tuple, timeout: float) -> list[Any]:

@@ -10,17 +10,35 @@ from .harness import RankPool
 
 def pytest_addoption(parser):
     group = parser.getgroup("pluribus", "pluribus backend conformance")
-    group.addoption("--pluribus-backend", default=None,
-                    help="backend to check with the conformance suite (e.g. threads, gloo)")
-    group.addoption("--pluribus-world-sizes", default="1,2,3,4",
-                    help="comma-separated world sizes to check (default 1,2,3,4)")
-    group.addoption("--pluribus-mode", default=None, choices=["threads", "processes", "inplace"],
-                    help="how ranks run: threads of pytest, spawned processes, or inplace "
-                    "(pytest itself runs under mpiexec); default: threads for the threads backend")
-    group.addoption("--pluribus-env", action="append", default=[],
-                    help="KEY=VALUE set in every rank process (repeatable)")
-    group.addoption("--pluribus-timeout", type=float, default=120.0,
-                    help="seconds a check may take on all ranks")
+    group.addoption(
+        "--pluribus-backend",
+        default=None,
+        help="backend to check with the conformance suite (e.g. threads, gloo)",
+    )
+    group.addoption(
+        "--pluribus-world-sizes",
+        default="1,2,3,4",
+        help="comma-separated world sizes to check (default 1,2,3,4)",
+    )
+    group.addoption(
+        "--pluribus-mode",
+        default=None,
+        choices=["threads", "processes", "inplace"],
+        help="how ranks run: threads of pytest, spawned processes, or inplace "
+        "(pytest itself runs under mpiexec); default: threads for the threads backend",
+    )
+    group.addoption(
+        "--pluribus-env",
+        action="append",
+        default=[],
+        help="KEY=VALUE set in every rank process (repeatable)",
+    )
+    group.addoption(
+        "--pluribus-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a check may take on all ranks",
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -30,8 +48,13 @@ def pytest_generate_tests(metafunc):
             sizes = ["job"]
         else:
             sizes = [int(s) for s in config.getoption("--pluribus-world-sizes").split(",") if s]
-        metafunc.parametrize("pluribus_world_size", sizes, indirect=True,
-                             ids=[f"world{s}" for s in sizes], scope="session")
+        metafunc.parametrize(
+            "pluribus_world_size",
+            sizes,
+            indirect=True,
+            ids=[f"world{s}" for s in sizes],
+            scope="session",
+        )
 
 
 @pytest.fixture(scope="session")

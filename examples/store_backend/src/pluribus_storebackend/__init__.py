@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-
 import pluribus
 from pluribus.arrays import byte_view
 
