@@ -865,13 +865,23 @@ def uninstall_excepthook() -> None:
 def _abort_on_uncaught(exc_type, exc, tb) -> None:
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    message = f"pluribus-mpi: uncaught exception on rank {rank} of {size}:\n{text}"
+    aborting = size > 1 and MPI.Is_initialized() and not MPI.Is_finalized()
+    if aborting:
+        message += f"pluribus-mpi: rank {rank} calls MPI_Abort to end all {size} ranks\n"
+    if _previous_hook not in (None, sys.__excepthook__):
+        try:  # a hook someone else installed (an error-file writer, say) still runs
+            _previous_hook(exc_type, exc, tb)
+        except BaseException:
+            pass
+    sys.stdout.flush()
+    # One write, so that mpiexec forwards the whole report before MPI_Abort ends the job.
     try:
-        sys.stderr.write(f"pluribus-mpi: uncaught exception on rank {rank} of {size}:\n")
-        (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
-    except BaseException:
-        traceback.print_exception(exc_type, exc, tb)
-    if size > 1 and MPI.Is_initialized() and not MPI.Is_finalized():
-        sys.stderr.write(f"pluribus-mpi: rank {rank} calls MPI_Abort to end all {size} ranks\n")
         sys.stderr.flush()
-        sys.stdout.flush()
+        os.write(2, message.encode(errors="replace"))
+    except OSError:
+        pass
+    if aborting:
+        time.sleep(0.2)  # let mpiexec's output forwarding drain before every rank is killed
         world.Abort(1)

@@ -1,17 +1,19 @@
 """Finding mpi4py and an MPI library, and asking the library what it can do.
 
-Probing imports ``mpi4py.MPI`` in this process. Outside an MPI job it imports it with
-``mpi4py.rc.initialize = False``: the library is loaded (so a missing one is detected) but not
-initialised, because initialising MPI in a process that mpiexec did not start can be slow or
-refused (Open MPI singletons start a runtime daemon). Inside an MPI job it imports it as a user
-would, which initialises MPI with ``MPI_THREAD_MULTIPLE``.
+Outside an MPI job, probing loads the library in a short-lived child process with
+``mpi4py.rc.initialize = False`` (so a missing one is detected, nothing is initialised, and this
+process keeps no MPI library that could shadow another backend's UCX). Inside an MPI job, or once
+``mpi4py.MPI`` is imported anyway, it asks the loaded library directly; creating the backend
+imports it as a user would, which initialises MPI with ``MPI_THREAD_MULTIPLE``.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -59,15 +61,21 @@ def _finalize(MPI: Any) -> None:
 
 
 def probe() -> Availability:
-    """Available when mpi4py imports and loads an MPI library. Never raises."""
+    """Available when mpi4py imports and loads an MPI library. Never raises.
+
+    Outside an MPI job the library is loaded in a short-lived child process: an MPI library
+    mapped into this process would stay there, and some bring their own UCX, which then shadows
+    the one the ucc backend loads (same soname, missing symbols).
+    """
     try:
         import mpi4py
     except ImportError as exc:
         return Availability(False, f"mpi4py is not installed ({exc})", INSTALL_REMEDY)
     try:
-        MPI = load_mpi(initialize=False)
-        library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
-        standard = "{}.{}".format(*MPI.Get_version())
+        if in_mpi_job() or "mpi4py.MPI" in sys.modules:
+            found = _library_facts()
+        else:
+            found = _library_facts_in_child()
     except Exception as exc:  # a missing or broken libmpi shows up here
         return Availability(
             False,
@@ -75,6 +83,7 @@ def probe() -> Availability:
             f"({type(exc).__name__}: {exc})",
             LIBRARY_REMEDY,
         )
+    library, standard = found
     return Availability(
         True,
         version=library,
@@ -85,6 +94,31 @@ def probe() -> Availability:
             "in_mpi_job": in_mpi_job(),
         },
     )
+
+
+def _library_facts() -> tuple[str, str]:
+    MPI = load_mpi(initialize=False)
+    library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    return library, "{}.{}".format(*MPI.Get_version())
+
+
+_CHILD = (
+    "import json, mpi4py; mpi4py.rc.initialize = False; mpi4py.rc.finalize = False\n"
+    "from mpi4py import MPI\n"
+    "lib = ' '.join(MPI.Get_library_version().strip().splitlines()[0].split())\n"
+    "print(json.dumps([lib, '{}.{}'.format(*MPI.Get_version())]))\n"
+)
+
+
+def _library_facts_in_child() -> tuple[str, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=30
+    )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ImportError(last)
+    library, standard = json.loads(done.stdout.strip().splitlines()[-1])
+    return library, standard
 
 
 def _libmpi_paths() -> list[str]:
