@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="checkpoints/digits",
         help="where the checkpoint is saved and resumed from ('' turns it off)",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint (a job restarted by pluribus-run --max-restarts "
+        "always does); without it a run starts afresh",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--simulate-failure-at-epoch",
@@ -125,8 +131,9 @@ def train(args: argparse.Namespace) -> dict:
     opt = nn.AdamW(ddp.parameters(), lr=args.lr, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     ckpt = Path(args.checkpoint_dir) / CHECKPOINT_NAME if args.checkpoint_dir else None
-    start_epoch = restore_checkpoint(ckpt, model, opt)
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
+    resume = args.resume or restarts > 0
+    start_epoch = restore_checkpoint(ckpt, model, opt) if resume else 0
     if rank == 0 and start_epoch:
         print(f"resuming from {ckpt} at epoch {start_epoch} (restart {restarts})", flush=True)
 

@@ -57,9 +57,16 @@ def test_resuming_from_the_checkpoint_gives_the_same_model_as_an_unbroken_run(tm
         train_digits.train,
         2,
         "threads",
-        args=(_args(tmp_path / "a", "--epochs", 2, "--batch-size", 128),),
+        args=(_args(tmp_path / "a", "--epochs", 2, "--batch-size", 128, "--resume"),),
     )
     assert resumed[0]["start_epoch"] == 1
+    fresh = run_ranks(
+        train_digits.train,
+        2,
+        "threads",
+        args=(_args(tmp_path / "a", "--epochs", 1, "--batch-size", 128),),
+    )
+    assert fresh[0]["start_epoch"] == 0, "without --resume or a restart a run starts afresh"
     unbroken = run_ranks(
         train_digits.train,
         2,
