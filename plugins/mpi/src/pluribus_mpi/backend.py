@@ -373,6 +373,13 @@ class MPIBackend(Backend):
         # MPI_THREAD_MULTIPLE allows concurrent calls, but collectives on one communicator must
         # be started in the same order on every rank: they are started under this lock.
         self.start_lock = threading.Lock()
+        # Synchronous all-reduce, broadcast and barrier on host arrays use MPI's blocking calls
+        # (as fast as raw mpi4py: MPICH's non-blocking collectives take slower algorithms), with
+        # a watchdog that ends the job when one outlives the timeout. Only when an error may end
+        # the job anyway; otherwise every call polls a request and raises DistTimeoutError.
+        self.blocking = abort_on_error_default()
+        self._watched: tuple[float, str, Any] | None = None
+        self._watchdog: threading.Thread | None = None
         self._starters = {
             name[len("_start_") :]: getattr(self, name)
             for name in dir(self)
@@ -427,6 +434,16 @@ class MPIBackend(Backend):
     ) -> None:
         """Start collective ``name`` and wait for it (the blocking form). An operation that is
         complete at the first test finishes here, without a Work."""
+        if (
+            self.blocking
+            and name in _BLOCKING_CALLS
+            and not staging
+            and (key_array is None or type(key_array).__module__ == "numpy")
+            and not self.closed
+            and self.aborted is None
+        ):
+            self._run_blocking(name, args, key_array)
+            return
         pending = self._begin(name, args, written, key_array, staging)
         try:
             done = pending.request.Test(pending.status)
@@ -437,6 +454,62 @@ class MPIBackend(Backend):
             return
         for finish in pending.finishers:
             finish()
+
+    def _run_blocking(self, name: str, args: tuple, key_array: Any) -> None:
+        with self.start_lock:
+            self._watch(name, key_array)
+            try:
+                if name == "all_reduce":
+                    array, op = args
+                    mpi_type, mpi_op = mpi_type_and_op(array.dtype, op, array)
+                    self.comm.Allreduce(MPI.IN_PLACE, [array, mpi_type], mpi_op)
+                    if op is ReduceOp.AVG and self.size > 1:
+                        _averager(array, self.size)()
+                elif name == "broadcast":
+                    array, src = args
+                    self.comm.Bcast([array, MPI.BYTE], src)
+                else:
+                    self.comm.Barrier()
+            except MPI.Exception as exc:
+                description = _describe(name, key_array, self.group_name)
+                raise self.translate(exc, description) from exc
+            except TypeError as exc:  # a dtype MPI cannot carry here; nothing was started
+                raise TypeError(f"rank {self.rank}: {exc}") from exc
+            finally:
+                self._watched = None
+
+    def _watch(self, name: str, key_array: Any) -> None:
+        """Arm the watchdog for a blocking call (cheap: the description is made only on expiry)."""
+        self._watched = (time.monotonic() + self.timeout, name, key_array)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch_loop, name=f"pluribus-mpi-watchdog-{self.rank}", daemon=True
+            )
+            self._watchdog.start()
+
+    def _watch_loop(self) -> None:
+        while not self.closed:
+            time.sleep(WATCHDOG_PERIOD)
+            watched = self._watched
+            if watched is None or time.monotonic() < watched[0]:
+                continue
+            description = _describe(watched[1], watched[2], self.group_name)
+            error = DistTimeoutError(
+                f"rank {self.rank}: {description} did not complete within {self.timeout:.1f}s: "
+                "another rank of the group has not started the same operation (or died)"
+            )
+            report = (
+                f"pluribus-mpi: {type(error).__name__}: {error}\n"
+                f"pluribus-mpi: rank {self.rank} calls MPI_Abort to end all ranks (MPI cannot "
+                "cancel a blocking collective)\n"
+            )
+            try:
+                os.write(2, report.encode(errors="replace"))
+            except OSError:
+                pass
+            time.sleep(0.2)  # let mpiexec forward the report
+            MPI.COMM_WORLD.Abort(1)
+            return
 
     def _begin(
         self, name: str, args: tuple, written: tuple, key_array: Any, staging: bool
@@ -698,6 +771,12 @@ class MPIBackend(Backend):
 
 
 # -- helpers used by the starts --------------------------------------------------------------------
+
+
+#: Synchronous operations that run as MPI blocking calls (see MPIBackend.blocking).
+_BLOCKING_CALLS = frozenset({"all_reduce", "broadcast", "barrier"})
+#: How often the watchdog looks at a blocking call's deadline, in seconds.
+WATCHDOG_PERIOD = 0.25
 
 
 def _describe(name: str, key_array: Any, group_name: str) -> str:
