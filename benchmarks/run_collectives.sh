@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# pluribus against torch.distributed (gloo) and raw mpi4py (MPICH), collective by collective.
+#
+# Two ranks on this host, float32, SUM, 4 B to 64 MiB; every phase (pluribus, torch-gloo,
+# mpi4py) is repeated and interleaved so that load from other programs hits all of them alike,
+# and the report uses medians. Raw JSON, the text report, a Markdown table and a plot go to
+# benchmarks/results/. Needs: the backend's plugin, torch==2.13.0 (CPU) and mpi4py + mpich;
+# a peer that is not installed is skipped with a note.
+#
+#   benchmarks/run_collectives.sh                      # gloo, 2 ranks, the four collectives
+#   BACKEND=mpi COLLECTIVES="all_reduce" benchmarks/run_collectives.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$(command -v .venv/bin/python || command -v python)}
+BACKEND=${BACKEND:-gloo}
+NPROC=${NPROC:-2}
+COLLECTIVES=${COLLECTIVES:-"all_reduce all_gather reduce_scatter broadcast"}
+MAX_BYTES=${MAX_BYTES:-64M}
+ITERS=${ITERS:-50}        # timed iterations per size, at most ...
+BUDGET=${BUDGET:-1.5}     # ... and at most this many seconds of them per size
+REPEAT=${REPEAT:-3}       # interleaved repeats of every phase, samples pooled
+OUT=${OUT:-benchmarks/results}
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$OUT"
+
+plot_args=()
+if "$PYTHON" -c "import matplotlib" 2>/dev/null; then
+    plot_args=(--plot)
+fi
+
+echo "# $(date -u +%FT%TZ) $(uptime)" | tee "$OUT/load-$STAMP.txt"
+for collective in $COLLECTIVES; do
+    name="$collective-$BACKEND-np$NPROC-$STAMP"
+    "$PYTHON" -m pluribus.bench --nproc "$NPROC" --backend "$BACKEND" -C "$collective" \
+        -d float32 -o sum -b 4 -e "$MAX_BYTES" -f 2 -n "$ITERS" -w 5 --budget "$BUDGET" \
+        --repeat "$REPEAT" --compare torch-gloo --compare mpi4py \
+        --save "$OUT/$name.json" --markdown "$OUT/$name.md" \
+        ${plot_args[@]+"${plot_args[@]}" "$OUT/$name.png"} \
+        | tee "$OUT/$name.txt"
+    echo "# $(date -u +%FT%TZ) $(uptime)" | tee -a "$OUT/load-$STAMP.txt"
+done
