@@ -16,7 +16,7 @@ Per configuration it reports the median step time (forward + backward + SGD step
 Hidden share = 1 - (on - local) / (off - local): the part of the exposed communication that
 overlap removes. Scaling efficiency = single / on (same per-rank batch, so ideal is 1.0).
 ``--offloaded-ms`` swaps each hidden layer's arithmetic for a wait, as if it ran on a GPU, to
-show the overlap when the CPU is free for communication. Results: benchmarks/ddp_overlap.md.
+show the overlap when the CPU is free for communication. Results: BENCHMARKS.md (DDP section).
 
 Under a launcher (``mpiexec -n 2 python benchmarks/ddp_overlap.py --backend mpi``; set
 OMP_NUM_THREADS yourself) every process is one rank. The single-rank time is rank 0 stepping
