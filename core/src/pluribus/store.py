@@ -246,14 +246,15 @@ _OK, _TIMEOUT, _MISSING = 0, 1, 2
 _HELLO = b"PLRBSTR1"
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, what: str = "store connection") -> bytes:
+    """Exactly ``n`` bytes from ``sock``; ConnectionError when the other side closes first."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ConnectionError("store connection closed by the other side")
+            raise ConnectionError(f"{what} closed by the other side")
         got += k
     return bytes(buf)
 
@@ -267,11 +268,11 @@ def _send_fields(sock: socket.socket, op: int, *fields: bytes) -> None:
 
 
 def _recv_fields(sock: socket.socket) -> tuple[int, list[bytes]]:
-    op, count = struct.unpack("!BI", _recv_exact(sock, 5))
+    op, count = struct.unpack("!BI", recv_exact(sock, 5))
     fields = []
     for _ in range(count):
-        (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
-        fields.append(_recv_exact(sock, n))
+        (n,) = struct.unpack("!Q", recv_exact(sock, 8))
+        fields.append(recv_exact(sock, n))
     return op, fields
 
 
@@ -287,7 +288,7 @@ def server_handshake(conn: socket.socket, token: str | None, what: str = "store"
     if not token:
         return True
     try:
-        answer = _recv_exact(conn, 32)
+        answer = recv_exact(conn, 32)
     except (OSError, ConnectionError):
         answer = b""
     if hmac.compare_digest(answer, auth_digest(token, nonce)):
@@ -307,12 +308,12 @@ def server_handshake(conn: socket.socket, token: str | None, what: str = "store"
 
 def client_handshake(sock: socket.socket, token: str | None, where: str) -> None:
     """Answer the server's challenge; raise :class:`AuthenticationError` when refused."""
-    hello = _recv_exact(sock, len(_HELLO) + 1)
+    hello = recv_exact(sock, len(_HELLO) + 1)
     if hello[: len(_HELLO)] != _HELLO:
         raise PluribusError(f"{where} is not a pluribus endpoint (bad greeting)")
     if not hello[-1]:
         return
-    nonce = _recv_exact(sock, 32)
+    nonce = recv_exact(sock, 32)
     if not token:
         raise AuthenticationError(
             f"{where} requires a shared secret: set {AUTH_TOKEN_ENV} to the job's token "
@@ -320,7 +321,7 @@ def client_handshake(sock: socket.socket, token: str | None, where: str) -> None
         )
     sock.sendall(auth_digest(token, nonce))
     try:
-        verdict = _recv_exact(sock, 1)
+        verdict = recv_exact(sock, 1)
     except ConnectionError:
         verdict = b"\x00"
     if verdict != b"\x01":

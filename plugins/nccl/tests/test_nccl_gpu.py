@@ -13,6 +13,7 @@ import pluribus as dist
 import pytest
 from pluribus import ReduceOp
 from pluribus.testing import run_ranks
+from pluribus.testing.checks import expected_reduction, rank_input
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -47,36 +48,6 @@ def _hybrid_backend(world_size: int) -> str | None:
 # -- what every rank runs (module level: spawned processes import it) -----------------------------
 
 
-def _input(rank: int, n: int, dtype, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
-    i = np.arange(n)
-    if np.dtype(dtype) == np.bool_:
-        return (i + rank) % 3 == 0
-    if op is ReduceOp.PRODUCT:
-        return (1 + (i + rank) % 2).astype(dtype)
-    return (i % 7 + rank + 1).astype(dtype)
-
-
-def _expected(size: int, n: int, dtype, op: ReduceOp) -> np.ndarray:
-    parts = np.stack([_input(r, n, dtype, op) for r in range(size)])
-    if np.dtype(dtype) == np.bool_:
-        ufunc = (
-            np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR) else np.logical_and
-        )
-        return ufunc.reduce(parts, axis=0)
-    if op is ReduceOp.AVG:
-        return (parts.astype(np.float64).sum(axis=0) / size).astype(dtype)
-    ufunc = {
-        ReduceOp.SUM: np.add,
-        ReduceOp.PRODUCT: np.multiply,
-        ReduceOp.MIN: np.minimum,
-        ReduceOp.MAX: np.maximum,
-    }[op]
-    result = parts[0].copy()
-    for row in parts[1:]:
-        result = ufunc(result, row).astype(dtype)
-    return result
-
-
 def _close(actual, expected, what: str) -> None:
     actual = actual.get() if hasattr(actual, "get") else actual
     tol = 2e-2 if np.dtype(expected.dtype).itemsize <= 2 else 1e-6
@@ -108,41 +79,45 @@ def check_every_collective() -> dict:
             if np.dtype(dtype).kind == "f":
                 ops.append(ReduceOp.AVG)
             for op in ops:
-                x = cupy.asarray(_input(rank, n, dtype, op))
+                x = cupy.asarray(rank_input(rank, n, dtype, op))
                 dist.all_reduce(x, op=op)
-                _close(x, _expected(size, n, dtype, op), f"all_reduce {n} {dtype} {op}")
+                _close(x, expected_reduction(size, n, dtype, op), f"all_reduce {n} {dtype} {op}")
     # reduce, broadcast
     root = size - 1
-    x = cupy.asarray(_input(rank, 1001, np.float32))
+    x = cupy.asarray(rank_input(rank, 1001, np.float32))
     dist.reduce(x, dst=root, op=ReduceOp.SUM)
     want = (
-        _expected(size, 1001, np.float32, ReduceOp.SUM)
+        expected_reduction(size, 1001, np.float32, ReduceOp.SUM)
         if rank == root
-        else _input(rank, 1001, np.float32)
+        else rank_input(rank, 1001, np.float32)
     )
     _close(x, want, "reduce")
-    x = cupy.asarray(_input(rank, 999, np.int64))
+    x = cupy.asarray(rank_input(rank, 999, np.int64))
     dist.broadcast(x, src=root)
-    _close(x, _input(root, 999, np.int64), "broadcast")
+    _close(x, rank_input(root, 999, np.int64), "broadcast")
     # all_gather: into one tensor, into separate arrays, uneven
-    mine = cupy.asarray(_input(rank, 513, np.float32))
+    mine = cupy.asarray(rank_input(rank, 513, np.float32))
     flat = cupy.empty(513 * size, np.float32)
     dist.all_gather_into_tensor(flat, mine)
-    _close(flat, np.concatenate([_input(r, 513, np.float32) for r in range(size)]), "all_gather")
+    _close(
+        flat, np.concatenate([rank_input(r, 513, np.float32) for r in range(size)]), "all_gather"
+    )
     outs = [cupy.empty(r + 2, np.int32) for r in range(size)]
-    dist.all_gather(outs, cupy.asarray(_input(rank, rank + 2, np.int32)))
+    dist.all_gather(outs, cupy.asarray(rank_input(rank, rank + 2, np.int32)))
     for r in range(size):
-        _close(outs[r], _input(r, r + 2, np.int32), f"uneven all_gather from {r}")
+        _close(outs[r], rank_input(r, r + 2, np.int32), f"uneven all_gather from {r}")
     # reduce_scatter: even tensor, uneven list, AVG
-    full = cupy.asarray(_input(rank, 64 * size, np.float32))
+    full = cupy.asarray(rank_input(rank, 64 * size, np.float32))
     out = cupy.empty(64, np.float32)
     dist.reduce_scatter_tensor(out, full)
-    total = _expected(size, 64 * size, np.float32, ReduceOp.SUM)
+    total = expected_reduction(size, 64 * size, np.float32, ReduceOp.SUM)
     _close(out, total[rank * 64 : (rank + 1) * 64], "reduce_scatter")
-    blocks = [cupy.asarray(_input(rank, i + 1, np.float64)) for i in range(size)]
+    blocks = [cupy.asarray(rank_input(rank, i + 1, np.float64)) for i in range(size)]
     out = cupy.empty(rank + 1, np.float64)
     dist.reduce_scatter(out, blocks, op=ReduceOp.AVG)
-    _close(out, _expected(size, rank + 1, np.float64, ReduceOp.AVG), "uneven reduce_scatter")
+    _close(
+        out, expected_reduction(size, rank + 1, np.float64, ReduceOp.AVG), "uneven reduce_scatter"
+    )
     # all_to_all (uneven), gather, scatter
     inputs = [cupy.full(j + 1, 10 * rank + j, np.int32) for j in range(size)]
     outputs = [cupy.empty(rank + 1, np.int32) for _ in range(size)]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from pluribus.errors import AuthenticationError, DistTimeoutError, PeerError, PluribusError
-from pluribus.store import client_handshake, server_handshake
+from pluribus.store import client_handshake, recv_exact, server_handshake
 
 from . import shm
 
@@ -28,6 +28,10 @@ log = logging.getLogger("pluribus.gloo")
 IFNAME_ENV = "PLURIBUS_SOCKET_IFNAME"
 _HELLO = struct.Struct("<4sIIBH")
 _HELLO_MAGIC = b"PLGL"
+
+
+#: What recv_exact names when a peer hangs up while connections are being made.
+_SETUP = "peer connection during set-up"
 
 
 def host_id() -> str:
@@ -100,23 +104,11 @@ def _send_hello(sock: socket.socket, rank: int, size: int, use_shm: bool, host: 
     sock.sendall(_HELLO.pack(_HELLO_MAGIC, rank, size, 1 if use_shm else 0, len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed during set-up")
-        got += k
-    return bytes(buf)
-
-
 def _recv_hello(sock: socket.socket) -> tuple[int, int, bool, str]:
-    magic, rank, size, use_shm, n = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+    magic, rank, size, use_shm, n = _HELLO.unpack(recv_exact(sock, _HELLO.size, _SETUP))
     if magic != _HELLO_MAGIC:
         raise ConnectionError("not a pluribus gloo peer (bad hello)")
-    return rank, size, bool(use_shm), _recv_exact(sock, n).decode()
+    return rank, size, bool(use_shm), recv_exact(sock, n, _SETUP).decode()
 
 
 #: Socket buffer size for data connections (0 keeps the kernel's autotuning).
@@ -144,7 +136,7 @@ def _share_memory_as_creator(sock: socket.socket, capacity: int):
     try:
         data = name.encode()
         sock.sendall(struct.pack("<H", len(data)) + data)
-        ok = _recv_exact(sock, 1) == b"\x01"
+        ok = recv_exact(sock, 1, _SETUP) == b"\x01"
     except BaseException:
         segment.close()
         raise
@@ -157,10 +149,10 @@ def _share_memory_as_creator(sock: socket.socket, capacity: int):
 
 
 def _share_memory_as_joiner(sock: socket.socket, capacity: int):
-    (n,) = struct.unpack("<H", _recv_exact(sock, 2))
+    (n,) = struct.unpack("<H", recv_exact(sock, 2, _SETUP))
     if n == 0:
         return None
-    name = _recv_exact(sock, n).decode()
+    name = recv_exact(sock, n, _SETUP).decode()
     try:
         segment = shm.open_segment(name, capacity)
         shm.unlink(name)  # both sides unlink: whichever runs first removes the name
