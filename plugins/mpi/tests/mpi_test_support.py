@@ -88,7 +88,9 @@ def run_mpiexec(
 
 
 def run_job(command: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run ``command`` in a session of its own; whatever is left of it is killed on return."""
+    """Run ``command`` in a session of its own; whatever is left of it is killed on return,
+    and the shared-memory segments an aborted MPICH job leaves behind are removed."""
+    segments_before = set(_mpich_segments())
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -108,7 +110,31 @@ def run_job(command: list[str], timeout: float) -> subprocess.CompletedProcess:
         ) from None
     finally:
         _kill_session(proc.pid)
+        _remove_orphaned_segments(segments_before)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _mpich_segments() -> list[Path]:
+    return list(Path("/dev/shm").glob("mpich_shm_*"))
+
+
+def _remove_orphaned_segments(existing: set[Path]) -> None:
+    """Unlink MPICH segments made since ``existing`` that no live process maps any more
+    (MPI_Abort ends ranks before MPICH unlinks them)."""
+    new = [p for p in _mpich_segments() if p not in existing]
+    if not new:
+        return
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(
+                line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line
+            )
+        except OSError:
+            continue
+    for path in new:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
 
 
 def _kill_session(pid: int) -> None:
