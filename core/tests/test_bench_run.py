@@ -16,6 +16,7 @@ from pluribus.bench.core import COLLECTIVES
 from pluribus.bench.launch import BenchError, _Children, free_port, peer_unavailable
 from pluribus.bench.report import markdown
 from pluribus.store import HashStore
+from pluribus.testing import require_backend
 
 SMALL = {
     "min_bytes": 4,
@@ -28,9 +29,7 @@ SMALL = {
 
 
 def _gloo_or_skip():
-    if not pluribus.is_available("gloo"):
-        status = pluribus.availability("gloo")
-        pytest.skip(f"gloo backend not available: {status.reason}")
+    require_backend("gloo")
 
 
 def _bench_cmd(*args):

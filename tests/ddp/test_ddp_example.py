@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pluribus
 import pytest
-from pluribus.testing import run_ranks
+from pluribus.testing import require_backend, run_ranks
 
 pytest.importorskip(
     "sklearn", reason="the example needs scikit-learn: pip install 'pluribus[examples]'"
@@ -82,8 +81,7 @@ def _launcher():
     launcher = Path(sys.executable).with_name("pluribus-run")
     if not launcher.exists() or importlib.util.find_spec("pluribus.run") is None:
         pytest.skip("pluribus-run is not installed")
-    if not pluribus.is_available("gloo"):
-        pytest.skip(f"gloo is not available: {pluribus.availability('gloo').reason}")
+    require_backend("gloo")
     return str(launcher)
 
 

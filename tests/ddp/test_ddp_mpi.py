@@ -11,7 +11,7 @@ import os
 import pluribus
 import pytest
 from ddp_cases import check_matches_reference, ddp_train_on_rank
-from pluribus.testing import RankPool
+from pluribus.testing import RankPool, require_backend
 
 MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 
@@ -30,9 +30,7 @@ SMALL_BUCKETS_MB = 4096 / 2**20
 
 @pytest.fixture(scope="module")
 def job():
-    status = pluribus.availability("mpi")
-    if not status.ok:
-        pytest.skip(f"the mpi backend is not available: {status.reason} ({status.remedy})")
+    require_backend("mpi")
     if "RANK" not in os.environ:
         # rank and size from MPI, for cores whose init_process_group does not read them itself
         from pluribus_mpi import setup_env

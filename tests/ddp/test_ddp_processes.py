@@ -7,10 +7,9 @@ cannot run here are skipped with the reason.
 """
 
 import numpy as np
-import pluribus
 import pytest
 from ddp_cases import check_matches_reference, ddp_train_on_rank, reference_train
-from pluribus.testing import RankPool
+from pluribus.testing import RankPool, require_backend
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -23,11 +22,7 @@ def pools():
     made: dict = {}
 
     def get(backend, world):
-        status = pluribus.availability(backend)
-        if not status.ok:
-            pytest.skip(
-                f"backend {backend!r} is not available here: {status.reason} ({status.remedy})"
-            )
+        require_backend(backend)
         if (backend, world) not in made:
             made[(backend, world)] = RankPool(world, backend, mode="processes", timeout=120)
         return made[(backend, world)]

@@ -113,3 +113,22 @@ def assert_no_processes(marker: str, within: float = 3.0) -> None:
         except ProcessLookupError:
             pass
     assert not left, f"processes left behind: {left}"
+
+
+def job_backends() -> list:
+    """Backends a launched test job runs on: the test-only "storewire" backend, and gloo where
+    the plugin is installed (installed but unusable fails instead of skipping)."""
+    import importlib.util
+
+    import pytest
+
+    return [
+        "storewire",
+        pytest.param(
+            "gloo",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("pluribus_gloo") is None,
+                reason='the gloo plugin is not installed (pip install "pluribus[gloo]")',
+            ),
+        ),
+    ]

@@ -8,7 +8,13 @@ import threading
 import numpy as np
 import pluribus
 import pytest
-from launcher_helpers import assert_no_processes, clean_env, run_launcher, write_script
+from launcher_helpers import (
+    assert_no_processes,
+    clean_env,
+    job_backends,
+    run_launcher,
+    write_script,
+)
 from pluribus import CollectiveMismatchError, HashStore
 from pluribus.debug import detail, flight_recorder, trace
 from pluribus.debug.common import CollectiveCall
@@ -208,21 +214,8 @@ pluribus.all_reduce(y)
 """
 
 
-def _backends():
-    return [
-        "storewire",
-        pytest.param(
-            "gloo",
-            marks=pytest.mark.skipif(
-                not pluribus.is_gloo_available(),
-                reason=f"gloo backend not available: {pluribus.availability('gloo').reason}",
-            ),
-        ),
-    ]
-
-
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", job_backends())
 def test_detector_across_processes_raises_on_every_rank(tmp_path, backend):
     script = write_script(tmp_path, "mismatch.py", MISMATCH_JOB, storewire=True)
     env = clean_env(PLURIBUS_DEBUG="DETAIL", JOB_BACKEND=backend)
@@ -262,7 +255,7 @@ pluribus.destroy_process_group()
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", job_backends())
 def test_trace_files_are_valid_chrome_traces(tmp_path, backend):
     script = write_script(tmp_path, "traced.py", TRACED_JOB, storewire=True)
     traces = tmp_path / "traces"

@@ -10,11 +10,11 @@ import os
 import shutil
 import subprocess
 
-import pluribus
 import pytest
 from launcher_helpers import (
     assert_no_processes,
     clean_env,
+    job_backends,
     kill_session,
     start_launcher,
     write_script,
@@ -118,21 +118,8 @@ pluribus.destroy_process_group()
 """
 
 
-def _backends():
-    return [
-        "storewire",
-        pytest.param(
-            "gloo",
-            marks=pytest.mark.skipif(
-                not pluribus.is_gloo_available(),
-                reason=f"gloo backend not available: {pluribus.availability('gloo').reason}",
-            ),
-        ),
-    ]
-
-
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", job_backends())
 def test_one_job_across_two_hosts(two_hosts, tmp_path, backend):
     script = write_script(tmp_path, "two_hosts.py", JOB, storewire=True)
     env = clean_env(JOB_BACKEND=backend, PLURIBUS_AUTH_TOKEN="two-host-secret")

@@ -22,7 +22,7 @@ from .types import ReduceOp
 BROADCAST_SEGMENT_BYTES = 1 << 20
 
 
-def _bounds(n: int, parts: int) -> list[int]:
+def chunk_bounds(n: int, parts: int) -> list[int]:
     """Split ``n`` elements into ``parts`` nearly equal chunks: the ``parts + 1`` boundaries."""
     base, extra = divmod(n, parts)
     out = [0]
@@ -35,7 +35,7 @@ def all_reduce(b: Backend, array: Any, op: ReduceOp) -> None:
     p, r = b.size, b.rank
     data = flat(array)
     if p > 1:
-        bounds = _bounds(data.size, p)
+        bounds = chunk_bounds(data.size, p)
         chunks = [data[bounds[i] : bounds[i + 1]] for i in range(p)]
         right, left = (r + 1) % p, (r - 1) % p
         scratch = empty_like(chunks[0])

@@ -8,6 +8,20 @@ import pytest
 from .harness import RankPool
 
 
+def require_backend(name: str) -> None:
+    """Skip the calling test when no installed plugin offers backend ``name``; fail it when one
+    does but the backend cannot run here, so that a broken install never hides behind a skip."""
+    from ..plugins import availability, backend_specs
+
+    status = availability(name)
+    if name not in backend_specs():
+        pytest.skip(f"backend {name!r} is not installed ({status.remedy or status.reason})")
+    if not status.ok:
+        pytest.fail(
+            f"backend {name!r} is installed but cannot run: {status.reason}; {status.remedy}"
+        )
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("pluribus", "pluribus backend conformance")
     group.addoption(

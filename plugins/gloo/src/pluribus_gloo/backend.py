@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 import numpy as np
+from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view, finish_average, flat, reduce_ufunc
 from pluribus.backend import Backend
 from pluribus.errors import PluribusError
@@ -44,14 +45,6 @@ def _pieces(lo: int, hi: int, per: int) -> list[tuple[int, int]]:
     if hi <= lo:
         return [(lo, lo)]
     return [(s, min(s + per, hi)) for s in range(lo, hi, per)]
-
-
-def _bounds(n: int, parts: int) -> list[int]:
-    base, extra = divmod(n, parts)
-    out = [0]
-    for i in range(parts):
-        out.append(out[-1] + base + (1 if i < extra else 0))
-    return out
 
 
 def _lowbit(v: int) -> int:
@@ -277,7 +270,7 @@ class GlooBackend(Backend):
     def _post_ring_all_reduce(self, call: _Call, data: np.ndarray) -> None:
         p, r = self.size, self.rank
         right, left = (r + 1) % p, (r - 1) % p
-        bounds = _bounds(data.size, p)
+        bounds = chunk_bounds(data.size, p)
         per = max(1, PIECE_BYTES // data.itemsize)
         pieces = [_pieces(bounds[c], bounds[c + 1], per) for c in range(p)]
         width = max(len(x) for x in pieces)

@@ -14,7 +14,7 @@ import functools
 import threading
 from typing import Any
 
-from pluribus.algorithms import _bounds
+from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view, device_of, empty_like, finish_average, flat, reduce_into
 from pluribus.backend import COLLECTIVE_TAG, Backend
 from pluribus.errors import CollectiveMismatchError
@@ -179,7 +179,7 @@ class UccBackend(Backend):
 
     def _all_reduce_ring(self, data: Any, op: ReduceOp) -> None:
         p, r = self.size, self.rank
-        bounds = _bounds(data.size, p)
+        bounds = chunk_bounds(data.size, p)
         chunks = [data[bounds[i] : bounds[i + 1]] for i in range(p)]
         right, left = (r + 1) % p, (r - 1) % p
         # Step s sends chunk (r - s) and receives chunk (r - s - 1): reduced into place during
