@@ -122,6 +122,11 @@ def test_restart_succeeds_on_the_second_attempt(tmp_path):
         rank, restart = os.environ["RANK"], int(os.environ["PLURIBUS_RESTART_COUNT"])
         pathlib.Path({str(attempts)!r}, f"{{restart}}-{{rank}}").touch()
         if rank == "1" and restart == 0:
+            # fail only once rank 0 has started, or the launcher stops it before it runs
+            deadline = time.monotonic() + 30
+            while not pathlib.Path({str(attempts)!r}, "0-0").exists():
+                assert time.monotonic() < deadline, "rank 0 never started"
+                time.sleep(0.01)
             raise SystemExit("first attempt fails")
         print(f"rank {{rank}} done in attempt {{restart}}")
         """,
