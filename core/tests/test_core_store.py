@@ -44,10 +44,12 @@ def test_set_get_add_compare_delete(store):
 
 
 def test_get_waits_for_a_later_set(store):
-    threading.Timer(0.2, store.set, ("late", b"v")).start()
+    setter = threading.Timer(0.2, store.set, ("late", b"v"))
+    setter.start()
     start = time.monotonic()
     assert store.get("late", timeout=5) == b"v"
     assert time.monotonic() - start >= 0.15
+    setter.join(5)  # its set() may still await the reply: finish before the store closes
 
 
 def test_wait_timeout_names_key_and_time(store):
