@@ -111,7 +111,6 @@ def breakdown(calls: int = 20000) -> dict[str, float]:
     """Microseconds per call of each piece of the dispatch path, on this rank alone (4 bytes)."""
     import pluribus as pb
     from pluribus import distributed
-    from pluribus.arrays import check_array
 
     group = pb.get_default_group()
     x = np.ones(1, dtype=np.float32)
@@ -132,7 +131,6 @@ def breakdown(calls: int = 20000) -> dict[str, float]:
         return best
 
     # Everything on a one-rank MPI group (a COMM_SELF duplicate), so no peer's timing counts.
-    from pluribus_mpi import plugin
     from pluribus_mpi.backend import MPIBackend
 
     solo = MPIBackend(self_comm.Dup(), 60.0, False, "breakdown")
@@ -140,30 +138,31 @@ def breakdown(calls: int = 20000) -> dict[str, float]:
     manager = pb.get_plugin_manager()
     wrappers = [
         impl.plugin
-        for impl in hook.pluribus_all_reduce.get_hookimpls()
+        for impl in hook.pluribus_bind_collective.get_hookimpls()
         if impl.opts.get("wrapper") or impl.opts.get("hookwrapper")
     ]
     unwrapped = manager.subset_hook_caller("pluribus_all_reduce", remove_plugins=wrappers)
+    backend_bound = solo.bind("all_reduce", "cpu")
+    group_bound = solo_group.bound("all_reduce", "cpu")
 
-    def raw_nonblocking():
-        self_comm.Iallreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM).Test()
+    def raw_blocking():
+        self_comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
 
     pieces = {
-        "MPI: Iallreduce + Test (the floor)": per_call(raw_nonblocking),
-        "plugin: backend.execute": per_call(lambda: solo.execute("all_reduce", (x, op), (0,), x)),
-        "plugin: hook function (+ backend_for)": per_call(
-            lambda: plugin.pluribus_all_reduce(solo_group, x, op, False)
+        "MPI: Allreduce (the floor)": per_call(raw_blocking),
+        "plugin: the backend's bound all_reduce": per_call(lambda: backend_bound(x, op)),
+        "core: the group's bound all_reduce (+ wrappers)": per_call(lambda: group_bound(x, op)),
+        "core: pb.all_reduce (checks + bound)": per_call(
+            lambda: pb.all_reduce(x, group=solo_group)
         ),
-        "core: pluggy call, no wrappers": per_call(
+        "core: argument checks (after the first call)": per_call(
+            lambda: distributed._check_reduction(solo_group, x, op, "array")
+        ),
+        "per-call hook chain, no wrappers (async path)": per_call(
             lambda: unwrapped(group=solo_group, array=x, op=op, async_op=False)
         ),
-        "core: pluggy call, with the wrappers": per_call(
+        "per-call hook chain, with the wrappers": per_call(
             lambda: hook.pluribus_all_reduce(group=solo_group, array=x, op=op, async_op=False)
-        ),
-        "core: pb.all_reduce (checks + hook)": per_call(lambda: pb.all_reduce(x, group=solo_group)),
-        "core: check_array": per_call(lambda: check_array(x, "array", 0)),
-        "core: _check_backend_op": per_call(
-            lambda: distributed._check_backend_op(solo_group, x, op)
         ),
     }
     solo.close()
@@ -187,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
         print(f"# {MPI.Get_library_version().splitlines()[0].strip()}; {size} ranks; float32 SUM")
-        impls = pb.get_plugin_manager().hook.pluribus_all_reduce.get_hookimpls()
-        print(f"# hooks on pluribus_all_reduce: {[i.plugin_name for i in impls]}")
+        hook = pb.get_plugin_manager().hook
+        impls = hook.pluribus_bind_collective.get_hookimpls()
+        print(f"# hooks on pluribus_bind_collective: {[i.plugin_name for i in impls]}")
+        bound = pb.get_default_group().bound("all_reduce", "cpu")
+        print(f"# the default group's bound all_reduce: {getattr(bound, '__qualname__', bound)}")
         print(
             f"{'':8} {'best block, per call':^40} | {'median block, per call':^32}\n"
             f"{'size':>8} {'raw us':>11} {'pluribus us':>11} {'ratio':>7} {'diff us':>9} | "

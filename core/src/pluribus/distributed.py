@@ -25,12 +25,22 @@ from .types import BackendContext, ReduceOp
 from .work import Work
 
 _global_world: dict[str, Any] = {}
-_thread_world = threading.local()
+
+
+class _ThreadWorld(threading.local):
+    """The default group of a rank that is a thread. The class attribute makes a thread without
+    one read None without raising (an AttributeError per collective costs more than the MPI
+    call)."""
+
+    world: dict[str, Any] | None = None
+
+
+_thread_world = _ThreadWorld()
 
 
 def _world() -> dict[str, Any]:
     """The default group's state: per thread for ranks that are threads, else per process."""
-    local = getattr(_thread_world, "world", None)
+    local = _thread_world.world
     return local if local is not None else _global_world
 
 
@@ -148,7 +158,7 @@ def init_process_group(
     ``world_size`` are required and ``init_method`` is ignored.
     """
     in_thread = threading.current_thread() is not threading.main_thread()
-    world = (getattr(_thread_world, "world", None) or {}) if in_thread else _global_world
+    world = (_thread_world.world or {}) if in_thread else _global_world
     if "group" in world:
         raise PluribusError(
             f"rank {world['group'].global_rank}: init_process_group was already called in this "
@@ -226,7 +236,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         if world.get("owns_store"):
             world["store"].close()
         world.clear()
-        if world is getattr(_thread_world, "world", None):
+        if world is _thread_world.world:
             _thread_world.world = None
         return
     if group is NON_GROUP_MEMBER:
@@ -322,12 +332,45 @@ def _split_by(array: Any, sizes: list[int]) -> list[Any]:
     return out
 
 
-def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> None:
+def _check_reduction(g: ProcessGroup, array: Any, op: ReduceOp, what: str) -> str:
+    """``check_array`` and ``_check_backend_op`` for the array a reduction writes, returning its
+    device. What cannot change between calls (dtype, op, backend) is checked once per array
+    type, dtype and op on a group; contiguity and writability on every call."""
+    try:
+        device = g.checked_ops[(type(array), array.dtype, id(op))]
+        flags = array.flags
+        if flags.c_contiguous and flags.writeable:
+            return device
+    except (AttributeError, KeyError, TypeError):
+        pass
+    check_array(array, what, g.global_rank)
+    return _check_backend_op(g, array, op)
+
+
+def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
+    """Check ``op`` on ``array``'s dtype and backend; return the array's device."""
     check_op(op, array.dtype, g.global_rank)
     backend = g.backend_for(array)
     reason = getattr(backend, "unsupported", lambda dtype, op: None)(np.dtype(array.dtype), op)
     if reason:
         raise TypeError(f"rank {g.global_rank}: backend {backend.name!r}: {reason}")
+    # Keyed by id(op): ReduceOp members live for good (nothing else is stored), and Enum's
+    # hash is slow.
+    device = g.checked_ops[(type(array), array.dtype, id(op))] = device_of(array)
+    return device
+
+
+def _issue(g: ProcessGroup, collective: str, device: str, async_op: bool, **arguments: Any):
+    """Run a checked collective: a synchronous call through the group's bound function when it
+    has one, anything else through the per-call hook. Returns the Work for ``async_op``."""
+    if not async_op:
+        bound = g.bound(collective, device)
+        if bound is not None:
+            bound(*arguments.values())
+            return None
+    hook = getattr(_hook(), f"pluribus_{collective}")
+    work = hook(group=g, async_op=async_op, **arguments)
+    return work if async_op else None
 
 
 # -- collectives ----------------------------------------------------------------------------------
@@ -341,8 +384,12 @@ def all_reduce(
 ) -> Work | None:
     """Reduce ``array`` across the group, in place on every rank."""
     g = _group(group)
-    check_array(array, "array", g.global_rank)
-    _check_backend_op(g, array, op)
+    device = _check_reduction(g, array, op, "array")
+    if not async_op:  # _issue, inlined: this is the call whose fixed cost users measure
+        bound = g.bound("all_reduce", device)
+        if bound is not None:
+            bound(array, op)
+            return None
     work = _hook().pluribus_all_reduce(group=g, array=array, op=op, async_op=async_op)
     return work if async_op else None
 
@@ -355,8 +402,7 @@ def broadcast(
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
     local = g.group_rank(src, "src")
-    work = _hook().pluribus_broadcast(group=g, array=array, src=local, async_op=async_op)
-    return work if async_op else None
+    return _issue(g, "broadcast", device_of(array), async_op, array=array, src=local)
 
 
 def reduce(
@@ -368,11 +414,9 @@ def reduce(
 ) -> Work | None:
     """Reduce ``array`` across the group into rank ``dst``'s ``array``; others keep theirs."""
     g = _group(group)
-    check_array(array, "array", g.global_rank)
-    _check_backend_op(g, array, op)
+    device = _check_reduction(g, array, op, "array")
     local = g.group_rank(dst, "dst")
-    work = _hook().pluribus_reduce(group=g, array=array, dst=local, op=op, async_op=async_op)
-    return work if async_op else None
+    return _issue(g, "reduce", device, async_op, array=array, dst=local, op=op)
 
 
 def all_gather(
@@ -410,8 +454,7 @@ def all_gather(
             )
         flat_out = output.reshape(-1)
         outputs = [flat_out[i * array.size : (i + 1) * array.size] for i in range(g.size)]
-    work = _hook().pluribus_all_gather(group=g, outputs=outputs, array=array, async_op=async_op)
-    return work if async_op else None
+    return _issue(g, "all_gather", device_of(array), async_op, outputs=outputs, array=array)
 
 
 all_gather_into_tensor = all_gather
@@ -431,8 +474,7 @@ def reduce_scatter(
     """
     g = _group(group)
     r = g.global_rank
-    check_array(output, "output", r)
-    _check_backend_op(g, output, op)
+    device = _check_reduction(g, output, op, "output")
     if isinstance(input, (list, tuple)):
         inputs = list(input)
         if len(inputs) != g.size:
@@ -456,10 +498,7 @@ def reduce_scatter(
             )
         flat_in = input.reshape(-1)
         inputs = [flat_in[i * output.size : (i + 1) * output.size] for i in range(g.size)]
-    work = _hook().pluribus_reduce_scatter(
-        group=g, output=output, inputs=inputs, op=op, async_op=async_op
-    )
-    return work if async_op else None
+    return _issue(g, "reduce_scatter", device, async_op, output=output, inputs=inputs, op=op)
 
 
 reduce_scatter_tensor = reduce_scatter
@@ -486,10 +525,9 @@ def all_to_all(
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
     if outputs[g.rank].size != inputs[g.rank].size:
         raise ValueError(f"rank {r}: outputs[{g.rank}] and inputs[{g.rank}] differ in size")
-    work = _hook().pluribus_all_to_all(
-        group=g, outputs=list(outputs), inputs=list(inputs), async_op=async_op
+    return _issue(
+        g, "all_to_all", device_of(inputs[0]), async_op, outputs=list(outputs), inputs=list(inputs)
     )
-    return work if async_op else None
 
 
 def all_to_all_single(
@@ -550,10 +588,9 @@ def gather(
         gather_list = list(gather_list)
     elif gather_list is not None:
         raise ValueError(f"rank {r}: gather_list must be None on ranks other than dst={dst}")
-    work = _hook().pluribus_gather(
-        group=g, array=array, outputs=gather_list, dst=local, async_op=async_op
+    return _issue(
+        g, "gather", device_of(array), async_op, array=array, outputs=gather_list, dst=local
     )
-    return work if async_op else None
 
 
 def scatter(
@@ -584,16 +621,15 @@ def scatter(
         scatter_list = list(scatter_list)
     elif scatter_list is not None:
         raise ValueError(f"rank {r}: scatter_list must be None on ranks other than src={src}")
-    work = _hook().pluribus_scatter(
-        group=g, array=array, inputs=scatter_list, src=local, async_op=async_op
+    return _issue(
+        g, "scatter", device_of(array), async_op, array=array, inputs=scatter_list, src=local
     )
-    return work if async_op else None
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     g = _group(group)
-    work = _hook().pluribus_barrier(group=g, async_op=async_op)
-    return work if async_op else None
+    device = "cpu" if "cpu" in g.backends else next(iter(g.backends))
+    return _issue(g, "barrier", device, async_op)
 
 
 def _peer(g: ProcessGroup, peer: int, what: str, tag: int) -> int:

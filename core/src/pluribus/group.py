@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import plugins
 from .arrays import device_of
 from .backend import Backend
 from .errors import PluribusError
@@ -51,6 +52,10 @@ class ProcessGroup:
         self._lock = threading.Lock()
         self._lanes: dict[Any, _Lane] = {}
         self._subgroups = 0
+        #: (array type, dtype, op) combinations the public API has checked, with their device
+        self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
+        self._bound: dict[tuple[str, str], Callable[..., None] | None] = {}
+        self._bound_generation = -1
 
     def __repr__(self) -> str:
         return (
@@ -99,6 +104,30 @@ class ProcessGroup:
             f"{device} array; {hint}"
         )
 
+    def bound(self, collective: str, device: str) -> Callable[..., None] | None:
+        """The function that runs synchronous ``collective`` calls for ``device`` arrays, bound
+        once through ``pluribus_bind_collective``; None sends every call through the hooks."""
+        generation = plugins.generation()
+        if generation != self._bound_generation:
+            self._bound = {}
+            self._bound_generation = generation
+        key = (collective, device)
+        try:
+            return self._bound[key]
+        except KeyError:
+            found = self._bound[key] = plugins.bind_collective(self, collective, device)
+            return found
+
+    def lane(self, name: Any = "collectives") -> _Lane:
+        """The ordered queue ``name`` (made on first use); see :meth:`submit`."""
+        found = self._lanes.get(name)
+        if found is None:
+            with self._lock:
+                found = self._lanes.get(name)
+                if found is None:
+                    found = self._lanes[name] = _Lane(f"pluribus-{self.name}-{name}")
+        return found
+
     def submit(
         self,
         fn: Callable[[], Any],
@@ -115,11 +144,7 @@ class ProcessGroup:
         """
         if self.closed:
             raise PluribusError(f"rank {self.global_rank}: group {self.name!r} was destroyed")
-        with self._lock:
-            queue_ = self._lanes.get(lane)
-            if queue_ is None:
-                queue_ = self._lanes[lane] = _Lane(f"pluribus-{self.name}-{lane}")
-        return queue_.submit(fn, async_op, description, self.global_rank, self.timeout)
+        return self.lane(lane).submit(fn, async_op, description, self.global_rank, self.timeout)
 
     def next_subgroup_name(self) -> str:
         with self._lock:
@@ -168,6 +193,15 @@ class _Lane:
         if not async_op:
             work.wait()
         return work
+
+    def call(self, fn, args: tuple, description, rank: int, timeout: float) -> None:
+        """Run ``fn(*args)`` and return when it is done: at once when nothing is queued (the
+        synchronous fast path), else after the operations queued before it."""
+        if not self.pending:
+            with self.exec_lock:
+                fn(*args)
+            return
+        self.submit(lambda: fn(*args), False, description, rank, timeout)
 
     def _run(self) -> None:
         while True:

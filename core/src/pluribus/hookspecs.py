@@ -9,6 +9,8 @@ Two families:
   the backend's native method when it has one and a generic algorithm over send/recv otherwise.
   A plugin may take over an operation for its own backend (return a Work, or ``None`` to pass),
   or wrap every call with ``@hookimpl(wrapper=True)`` for tracing, checks or compression.
+* **Bound collectives**: ``pluribus_bind_collective`` gives a group one function per
+  collective for its synchronous calls, so that they skip the per-call hook chain.
 
 In the collective hooks ranks (``src``, ``dst``) are group-local, ``group`` is the
 :class:`~pluribus.group.ProcessGroup`, and the arguments have been validated.
@@ -16,7 +18,7 @@ In the collective hooks ranks (``src``, ``dst``) are group-local, ``group`` is t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -278,4 +280,48 @@ def pluribus_recv(group: ProcessGroup, array: Any, src: int, tag: int, async_op:
         @hookimpl(wrapper=True)
         def pluribus_recv(group, array, src, tag, async_op):
             return (yield)
+    """
+
+
+# -- bound collectives: the synchronous fast path -------------------------------------------------
+
+#: The collectives a group may bind, with the arguments their bound functions take, in order
+#: (the per-call hook's arguments without ``group`` and ``async_op``).
+BINDABLE = {
+    "all_reduce": ("array", "op"),
+    "broadcast": ("array", "src"),
+    "reduce": ("array", "dst", "op"),
+    "all_gather": ("outputs", "array"),
+    "reduce_scatter": ("output", "inputs", "op"),
+    "all_to_all": ("outputs", "inputs"),
+    "gather": ("array", "outputs", "dst"),
+    "scatter": ("array", "inputs", "src"),
+    "barrier": (),
+}
+
+
+@hookspec(firstresult=True)
+def pluribus_bind_collective(
+    group: ProcessGroup, collective: str, device: str
+) -> Callable[..., None] | None:
+    """Return a function that runs synchronous ``collective`` calls on ``group`` for arrays on
+    ``device``, or None to leave them to the next plugin.
+
+    A synchronous call of a small array costs about as much in a Python hook chain as on the
+    wire; a group asks this hook once per collective and device and then calls the function
+    directly, with the arguments of :data:`BINDABLE` (checked, ranks group-local), for every
+    synchronous call. Asynchronous calls always go through the per-call hook. The group binds
+    only while every plugin implementing the per-call hook (``pluribus_all_reduce``, ...) also
+    implements this one, so a plugin that knows nothing of binding keeps seeing every call. A
+    plugin that takes a collective's calls for its groups must bind them too (or return a
+    function that runs its per-call path); a wrapper (``wrapper=True``) may wrap the function.
+
+    Example, a backend whose methods take exactly these arguments::
+
+        @hookimpl
+        def pluribus_bind_collective(group, collective, device):
+            backend = group.backends.get(device)
+            if not isinstance(backend, MyBackend):
+                return None
+            return getattr(backend, collective)  # MyBackend.all_reduce(array, op), ...
     """

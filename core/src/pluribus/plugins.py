@@ -57,8 +57,49 @@ def _disabled() -> set[str]:
     return {p.strip() for p in os.environ.get(DISABLE_ENV, "").split(",") if p.strip()}
 
 
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever a plugin is registered or unregistered: groups drop the
+    collectives they bound under other plugins when it moves."""
+    return _generation
+
+
+def _moved() -> None:
+    global _generation
+    _generation += 1
+
+
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager, telling :func:`generation` about every change of plugins."""
+
+    def register(self, plugin, name=None):
+        try:
+            return super().register(plugin, name)
+        finally:
+            _moved()
+
+    def unregister(self, plugin=None, name=None):
+        try:
+            return super().unregister(plugin, name)
+        finally:
+            _moved()
+
+
+def bind_collective(group, collective: str, device: str):
+    """The function running ``group``'s synchronous ``collective`` calls on ``device`` arrays,
+    or None when a plugin on the per-call hook does not bind (it must see every call)."""
+    hook = get_plugin_manager().hook
+    binders = {id(impl.plugin) for impl in hook.pluribus_bind_collective.get_hookimpls()}
+    per_call = getattr(hook, f"pluribus_{collective}").get_hookimpls()
+    if any(id(impl.plugin) not in binders for impl in per_call):
+        return None
+    return hook.pluribus_bind_collective(group=group, collective=collective, device=device)
+
+
 def _load() -> _Registry:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm = _PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     disabled = _disabled()
     plugins: dict[str, PluginInfo] = {}
@@ -126,6 +167,7 @@ def reset_plugins() -> None:
     with _registry_lock:
         _registry = None
         _probe_cache.clear()
+        _moved()
 
 
 def plugin_infos() -> dict[str, PluginInfo]:

@@ -8,6 +8,7 @@ back when the group allows host staging.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .. import algorithms
@@ -66,6 +67,27 @@ def _run(
         return f"{name}(shape={shape}, dtype={dtype}) on group {group.name!r}"
 
     return group.submit(job, async_op, description, lane)
+
+
+@hookimpl(trylast=True)
+def pluribus_bind_collective(group, collective, device):
+    """Bind the backend's native method (or the generic algorithm) for arrays the backend
+    carries itself; host-staged arrays keep the per-call path, which copies them."""
+    backend: Backend = group.backends.get(device)
+    if backend is None or device not in backend.devices:
+        return None
+    run = getattr(backend, collective, None)
+    if run is None:
+        run = functools.partial(getattr(algorithms, collective), backend)
+    lane = group.lane()
+
+    def description() -> str:
+        return f"{collective} on group {group.name!r}"
+
+    def bound(*args):
+        lane.call(run, args, description, group.global_rank, group.timeout)
+
+    return bound
 
 
 @hookimpl(trylast=True)

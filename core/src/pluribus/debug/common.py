@@ -19,6 +19,7 @@ from collections.abc import Generator
 from typing import Any
 
 from ..hookspecs import hookimpl
+from ..work import CompletedWork
 
 #: Operations every rank of a group must call together (p2p ones are not checked across ranks).
 COLLECTIVE_OPS = frozenset(
@@ -45,7 +46,11 @@ def _total_bytes(items: list[Any]) -> int:
 
 
 class CollectiveCall:
-    """One call of a collective hook, described by plain values (no array is kept alive)."""
+    """One call of a collective hook, described by plain values (no array is kept alive).
+
+    Made for every call while an aid is on, so it only reads attributes; the byte count of a
+    single array is worked out when asked for.
+    """
 
     __slots__ = (
         "op",
@@ -58,7 +63,7 @@ class CollectiveCall:
         "tag",
         "in_sizes",
         "out_sizes",
-        "nbytes",
+        "_nbytes",
         "async_op",
     )
 
@@ -79,21 +84,26 @@ class CollectiveCall:
     ):
         self.op = op
         self.group = group
-        # getattr: a wrapper must not fail on an array-like the core accepted
-        self.shape: tuple[int, ...] | None = (
-            None if array is None else tuple(getattr(array, "shape", ()))
-        )
-        self._dtype = None if array is None else getattr(array, "dtype", None)  # str when shown
+        if array is None:
+            self.shape = self._dtype = None
+        else:  # the core checked it has a dtype; getattr: a wrapper must not fail on an array-like
+            self.shape: tuple[int, ...] | None = getattr(array, "shape", ())
+            self._dtype = array.dtype  # shown as a string
         self.root = root
         self.reduce_op = reduce_op
         self.peer = peer
         self.tag = tag
         self.in_sizes = in_sizes
         self.out_sizes = out_sizes
-        if nbytes is None:
-            nbytes = int(getattr(array, "nbytes", 0)) if array is not None else 0
-        self.nbytes = nbytes
+        self._nbytes = nbytes
         self.async_op = async_op
+
+    @property
+    def nbytes(self) -> int:
+        if self._nbytes is None:
+            itemsize = getattr(self._dtype, "itemsize", 0) if self._dtype is not None else 0
+            self._nbytes = self.numel() * itemsize
+        return self._nbytes
 
     @property
     def dtype(self) -> str | None:
@@ -145,92 +155,169 @@ def global_rank() -> int | None:
 Around = Generator[None, Any, Any]
 
 
+def _all_reduce(group, array, op, async_op=False):
+    return CollectiveCall("all_reduce", group, array, reduce_op=op, async_op=async_op)
+
+
+def _broadcast(group, array, src, async_op=False):
+    return CollectiveCall("broadcast", group, array, root=src, async_op=async_op)
+
+
+def _reduce(group, array, dst, op, async_op=False):
+    return CollectiveCall("reduce", group, array, root=dst, reduce_op=op, async_op=async_op)
+
+
+def _all_gather(group, outputs, array, async_op=False):
+    return CollectiveCall("all_gather", group, array, out_sizes=_sizes(outputs), async_op=async_op)
+
+
+def _reduce_scatter(group, output, inputs, op, async_op=False):
+    return CollectiveCall(
+        "reduce_scatter",
+        group,
+        output,
+        reduce_op=op,
+        in_sizes=_sizes(inputs),
+        nbytes=_total_bytes(inputs),
+        async_op=async_op,
+    )
+
+
+def _all_to_all(group, outputs, inputs, async_op=False):
+    return CollectiveCall(
+        "all_to_all",
+        group,
+        inputs[0] if inputs else None,
+        in_sizes=_sizes(inputs),
+        out_sizes=_sizes(outputs),
+        nbytes=_total_bytes(inputs),
+        async_op=async_op,
+    )
+
+
+def _gather(group, array, outputs, dst, async_op=False):
+    return CollectiveCall(
+        "gather", group, array, root=dst, out_sizes=_sizes(outputs), async_op=async_op
+    )
+
+
+def _scatter(group, array, inputs, src, async_op=False):
+    return CollectiveCall(
+        "scatter", group, array, root=src, in_sizes=_sizes(inputs), async_op=async_op
+    )
+
+
+def _barrier(group, async_op=False):
+    return CollectiveCall("barrier", group, async_op=async_op)
+
+
+def _send(group, array, dst, tag, async_op=False):
+    return CollectiveCall("send", group, array, peer=dst, tag=tag, async_op=async_op)
+
+
+def _recv(group, array, src, tag, async_op=False):
+    return CollectiveCall("recv", group, array, peer=src, tag=tag, async_op=async_op)
+
+
+#: How each operation's hook arguments (without ``group`` first) read as a CollectiveCall.
+DESCRIBE = {
+    "all_reduce": _all_reduce,
+    "broadcast": _broadcast,
+    "reduce": _reduce,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "gather": _gather,
+    "scatter": _scatter,
+    "barrier": _barrier,
+    "send": _send,
+    "recv": _recv,
+}
+
+_DONE = CompletedWork()
+
+
 class CollectiveWrapper:
     """A plugin wrapping every collective hook with ``self.around(call)``.
 
     ``around`` is a generator in pluggy's wrapper style: code before its ``yield`` runs before
     the collective is issued, the ``yield`` returns the hook's :class:`Work` (or raises its
-    error), and ``around`` returns the Work.
+    error), and ``around`` returns the Work. Functions a group binds for its synchronous calls
+    are wrapped with the same ``around``, so an aid sees every call either way.
     """
 
     def around(self, call: CollectiveCall) -> Around:
         return (yield)
 
     @hookimpl(wrapper=True)
+    def pluribus_bind_collective(self, group, collective, device):
+        bound = yield
+        if bound is None:
+            return None
+        describe = DESCRIBE[collective]
+
+        def around_bound(*args):
+            steps = self.around(describe(group, *args))
+            next(steps)  # the part before the collective
+            try:
+                bound(*args)
+            except BaseException as exc:
+                try:
+                    steps.throw(exc)
+                except StopIteration:
+                    pass
+                raise
+            try:
+                steps.send(_DONE)
+            except StopIteration:
+                return
+            raise RuntimeError(f"{type(self).__name__}.around yielded more than once")
+
+        return around_bound
+
+    @hookimpl(wrapper=True)
     def pluribus_all_reduce(self, group, array, op, async_op):
-        call = CollectiveCall("all_reduce", group, array, reduce_op=op, async_op=async_op)
-        return (yield from self.around(call))
+        return (yield from self.around(_all_reduce(group, array, op, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_broadcast(self, group, array, src, async_op):
-        call = CollectiveCall("broadcast", group, array, root=src, async_op=async_op)
-        return (yield from self.around(call))
+        return (yield from self.around(_broadcast(group, array, src, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_reduce(self, group, array, dst, op, async_op):
-        call = CollectiveCall("reduce", group, array, root=dst, reduce_op=op, async_op=async_op)
-        return (yield from self.around(call))
+        return (yield from self.around(_reduce(group, array, dst, op, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_all_gather(self, group, outputs, array, async_op):
-        call = CollectiveCall(
-            "all_gather", group, array, out_sizes=_sizes(outputs), async_op=async_op
-        )
-        return (yield from self.around(call))
+        return (yield from self.around(_all_gather(group, outputs, array, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_reduce_scatter(self, group, output, inputs, op, async_op):
-        call = CollectiveCall(
-            "reduce_scatter",
-            group,
-            output,
-            reduce_op=op,
-            in_sizes=_sizes(inputs),
-            nbytes=_total_bytes(inputs),
-            async_op=async_op,
-        )
-        return (yield from self.around(call))
+        return (yield from self.around(_reduce_scatter(group, output, inputs, op, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_all_to_all(self, group, outputs, inputs, async_op):
-        call = CollectiveCall(
-            "all_to_all",
-            group,
-            inputs[0] if inputs else None,
-            in_sizes=_sizes(inputs),
-            out_sizes=_sizes(outputs),
-            nbytes=_total_bytes(inputs),
-            async_op=async_op,
-        )
-        return (yield from self.around(call))
+        return (yield from self.around(_all_to_all(group, outputs, inputs, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_gather(self, group, array, outputs, dst, async_op):
-        call = CollectiveCall(
-            "gather", group, array, root=dst, out_sizes=_sizes(outputs), async_op=async_op
-        )
-        return (yield from self.around(call))
+        return (yield from self.around(_gather(group, array, outputs, dst, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_scatter(self, group, array, inputs, src, async_op):
-        call = CollectiveCall(
-            "scatter", group, array, root=src, in_sizes=_sizes(inputs), async_op=async_op
-        )
-        return (yield from self.around(call))
+        return (yield from self.around(_scatter(group, array, inputs, src, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_barrier(self, group, async_op):
-        return (yield from self.around(CollectiveCall("barrier", group, async_op=async_op)))
+        return (yield from self.around(_barrier(group, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_send(self, group, array, dst, tag, async_op):
-        call = CollectiveCall("send", group, array, peer=dst, tag=tag, async_op=async_op)
-        return (yield from self.around(call))
+        return (yield from self.around(_send(group, array, dst, tag, async_op)))
 
     @hookimpl(wrapper=True)
     def pluribus_recv(self, group, array, src, tag, async_op):
-        call = CollectiveCall("recv", group, array, peer=src, tag=tag, async_op=async_op)
-        return (yield from self.around(call))
+        return (yield from self.around(_recv(group, array, src, tag, async_op)))
 
 
 #: The debugging wrappers from innermost to outermost: the flight recorder sees the calls the

@@ -21,14 +21,28 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from ..hookspecs import hookimpl
-from .common import CollectiveCall, CollectiveWrapper, global_rank, set_registered, when_done
+from ..hookspecs import BINDABLE, hookimpl
+from .common import (
+    DESCRIBE,
+    CollectiveCall,
+    CollectiveWrapper,
+    global_rank,
+    set_registered,
+    when_done,
+)
 
 SIZE_ENV = "PLURIBUS_FLIGHT_RECORDER"
 DIR_ENV = "PLURIBUS_FLIGHT_RECORDER_DIR"
 DEFAULT_SIZE = 256
+
+
+class ArrayInfo(NamedTuple):
+    """What the buffer keeps of an array: not its memory."""
+
+    shape: tuple[int, ...]
+    dtype: Any
 
 
 def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
@@ -36,19 +50,33 @@ def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
 
 
 class Entry:
-    """One recorded call. ``end`` is None while it runs."""
+    """One recorded call. ``end`` is None while it runs.
 
-    __slots__ = ("seq", "group", "call", "start", "end", "state", "error")
+    A bound call of one array keeps just that array's shape and dtype and the other arguments
+    (``summary``), and makes its :class:`CollectiveCall` only when the buffer is read.
+    """
 
-    def __init__(self, seq: int, call: CollectiveCall):
+    __slots__ = ("seq", "group", "_call", "_describe", "_summary", "start", "end", "state", "error")
+
+    def __init__(
+        self, seq: int, group: str, call: CollectiveCall | None, describe=None, summary=()
+    ):
         self.seq = seq
-        self.group = call.group.name
-        call.group = None  # the buffer must not keep destroyed groups alive
-        self.call = call
+        self.group = group
+        self._call = call
+        self._describe = describe
+        self._summary = summary
         self.start = time.time()
         self.end: float | None = None
         self.state = "started"
         self.error: str | None = None
+
+    @property
+    def call(self) -> CollectiveCall:
+        if self._call is None:
+            shape, dtype, rest = self._summary
+            self._call = self._describe(None, ArrayInfo(shape, dtype), *rest)
+        return self._call
 
     def finish(self, error: BaseException | None) -> None:
         self.end = time.time()
@@ -96,17 +124,21 @@ class FlightRecorder(CollectiveWrapper):
         if self.entries.maxlen != max(size, 1):
             self.entries = collections.deque(self.entries, maxlen=max(size, 1))
 
+    def _first_call(self, group: Any) -> None:
+        if self._rank is None:
+            self._rank = group.global_rank
+            self._install_excepthook()
+
     def around(self, call: CollectiveCall):
         if not self.enabled:
             return (yield)
         group = call.group
-        if self._rank is None:
-            self._rank = group.global_rank
-            self._install_excepthook()
+        self._first_call(group)
         # One rank issues a group's calls from one thread, so its counter needs no lock.
         key = (group.name, group.global_rank, call.collective)
         seq = self._seq[key] = self._seq.get(key, 0) + 1
-        entry = Entry(seq, call)
+        call.group = None  # the buffer must not keep destroyed groups alive
+        entry = Entry(seq, group.name, call)
         self.entries.append(entry)
         try:
             work = yield
@@ -115,6 +147,35 @@ class FlightRecorder(CollectiveWrapper):
             raise
         when_done(work, lambda error: self._finished(entry, error))
         return work
+
+    @hookimpl(wrapper=True)
+    def pluribus_bind_collective(self, group, collective, device):
+        """Record a group's bound calls too, without the generic wrapper's generator."""
+        bound = yield
+        if bound is None or not self.enabled:
+            return bound
+        self._first_call(group)
+        describe, name, counters = DESCRIBE[collective], group.name, self._seq
+        key = (name, group.global_rank, True)
+        names = BINDABLE[collective]  # one array first, then plain values: keep a summary
+        one_array = names[:1] == ("array",) and not {"outputs", "inputs"} & set(names)
+
+        def recorded(*args):
+            seq = counters[key] = counters.get(key, 0) + 1
+            if one_array:
+                entry = Entry(seq, name, None, describe, (args[0].shape, args[0].dtype, args[1:]))
+            else:
+                entry = Entry(seq, name, describe(None, *args))
+            self.entries.append(entry)
+            try:
+                bound(*args)
+            except BaseException as exc:
+                self._finished(entry, exc)
+                raise
+            entry.end = time.time()
+            entry.state = "completed"
+
+        return recorded
 
     def _finished(self, entry: Entry, error: BaseException | None) -> None:
         entry.finish(error)

@@ -442,7 +442,7 @@ class MPIBackend(Backend):
             and not self.closed
             and self.aborted is None
         ):
-            self._run_blocking(name, args, key_array)
+            self._run_blocking(name, getattr(self, f"_blocking_{name}"), args, key_array)
             return
         pending = self._begin(name, args, written, key_array, staging)
         try:
@@ -455,21 +455,78 @@ class MPIBackend(Backend):
         for finish in pending.finishers:
             finish()
 
-    def _run_blocking(self, name: str, args: tuple, key_array: Any) -> None:
-        with self.start_lock:
-            self._watch(name, key_array)
+    def bind(self, name: str, device: str) -> Any:
+        """The function running synchronous ``name`` calls for ``device`` arrays (the group's
+        bound collective): the blocking MPI call itself where :meth:`execute` would take it."""
+        key_of, written = CALL_LAYOUT[name]
+        if self.blocking and device == "cpu" and name in _BLOCKING_CALLS:
+            blocking = getattr(self, f"_blocking_{name}")
+
+            def bound(*args: Any) -> None:
+                if self.aborted is not None or self.closed:
+                    self._check_open(_describe(name, key_of(args), self.group_name))
+                self._run_blocking(name, blocking, args, key_of(args))
+
+            return self._bind_all_reduce(bound) if name == "all_reduce" else bound
+
+        def bound_execute(*args: Any) -> None:
+            self.execute(name, args, written, key_of(args))
+
+        return bound_execute
+
+    def _bind_all_reduce(self, general: Any) -> Any:
+        """The synchronous all-reduce with nothing between the caller and ``MPI_Allreduce`` but
+        arming the watchdog: the call users time against raw mpi4py. AVG, half floats and a
+        stopped backend take ``general``."""
+        comm, timeout, monotonic, in_place = self.comm, self.timeout, time.monotonic, MPI.IN_PLACE
+        acquire, release = self.start_lock.acquire, self.start_lock.release
+        # Keyed by id(op): ReduceOp members live for good, and Enum's hash is slow.
+        types_and_ops = {
+            (dtype, id(op)): found
+            for (dtype, op), found in _TYPE_AND_OP.items()
+            if op is not ReduceOp.AVG
+        }
+        if self._watchdog is None:
+            self._start_watchdog()
+
+        def all_reduce(array: Any, op: ReduceOp) -> None:
+            found = types_and_ops.get((array.dtype, id(op)))
+            if found is None or self.aborted is not None or self.closed:
+                return general(array, op)
+            acquire()
             try:
-                if name == "all_reduce":
-                    array, op = args
-                    mpi_type, mpi_op = mpi_type_and_op(array.dtype, op, array)
-                    self.comm.Allreduce(MPI.IN_PLACE, [array, mpi_type], mpi_op)
-                    if op is ReduceOp.AVG and self.size > 1:
-                        _averager(array, self.size)()
-                elif name == "broadcast":
-                    array, src = args
-                    self.comm.Bcast([array, MPI.BYTE], src)
-                else:
-                    self.comm.Barrier()
+                self._watched = (monotonic() + timeout, "all_reduce", array)
+                comm.Allreduce(in_place, [array, found[0]], found[1])
+            except MPI.Exception as exc:
+                description = _describe("all_reduce", array, self.group_name)
+                raise self.translate(exc, description) from exc
+            finally:
+                self._watched = None
+                release()
+
+        return all_reduce
+
+    def _blocking_all_reduce(self, array: Any, op: ReduceOp) -> None:
+        mpi_type, mpi_op = mpi_type_and_op(array.dtype, op, array)
+        self.comm.Allreduce(MPI.IN_PLACE, [array, mpi_type], mpi_op)
+        if op is ReduceOp.AVG and self.size > 1:
+            _averager(array, self.size)()
+
+    def _blocking_broadcast(self, array: Any, src: int) -> None:
+        self.comm.Bcast([array, MPI.BYTE], src)
+
+    def _blocking_barrier(self) -> None:
+        self.comm.Barrier()
+
+    def _run_blocking(self, name: str, blocking: Any, args: tuple, key_array: Any) -> None:
+        """Run ``blocking(*args)``, one blocking MPI call, under the watchdog."""
+        with self.start_lock:
+            # Arming the watchdog is cheap: the description is made only on expiry.
+            self._watched = (time.monotonic() + self.timeout, name, key_array)
+            if self._watchdog is None:
+                self._start_watchdog()
+            try:
+                blocking(*args)
             except MPI.Exception as exc:
                 description = _describe(name, key_array, self.group_name)
                 raise self.translate(exc, description) from exc
@@ -478,14 +535,11 @@ class MPIBackend(Backend):
             finally:
                 self._watched = None
 
-    def _watch(self, name: str, key_array: Any) -> None:
-        """Arm the watchdog for a blocking call (cheap: the description is made only on expiry)."""
-        self._watched = (time.monotonic() + self.timeout, name, key_array)
-        if self._watchdog is None:
-            self._watchdog = threading.Thread(
-                target=self._watch_loop, name=f"pluribus-mpi-watchdog-{self.rank}", daemon=True
-            )
-            self._watchdog.start()
+    def _start_watchdog(self) -> None:
+        self._watchdog = threading.Thread(
+            target=self._watch_loop, name=f"pluribus-mpi-watchdog-{self.rank}", daemon=True
+        )
+        self._watchdog.start()
 
     def _watch_loop(self) -> None:
         while not self.closed:
@@ -775,6 +829,39 @@ class MPIBackend(Backend):
 
 #: Synchronous operations that run as MPI blocking calls (see MPIBackend.blocking).
 _BLOCKING_CALLS = frozenset({"all_reduce", "broadcast", "barrier"})
+
+
+def _first(args: tuple) -> Any:
+    return args[0]
+
+
+def _second(args: tuple) -> Any:
+    return args[1]
+
+
+def _first_input(args: tuple) -> Any:
+    return args[1][0] if args[1] else None
+
+
+def _no_array(args: tuple) -> None:
+    return None
+
+
+#: For each operation: which of its arguments is the array that decides device and dtype (a
+#: function of the argument tuple), and the indices of the arguments it writes.
+CALL_LAYOUT = {
+    "all_reduce": (_first, (0,)),
+    "broadcast": (_first, (0,)),
+    "reduce": (_first, (0,)),
+    "all_gather": (_second, (0,)),
+    "reduce_scatter": (_first, (0,)),
+    "all_to_all": (_first_input, (0,)),
+    "gather": (_first, (1,)),
+    "scatter": (_first, (0,)),
+    "barrier": (_no_array, ()),
+    "send": (_first, ()),
+    "recv": (_first, (0,)),
+}
 #: How often the watchdog looks at a blocking call's deadline, in seconds.
 WATCHDOG_PERIOD = 0.25
 

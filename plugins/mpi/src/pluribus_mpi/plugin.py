@@ -4,7 +4,9 @@ Importing this module imports neither mpi4py nor MPI: ``probe`` loads the librar
 ``create`` initialises it. The collective hooks below take every operation on a group whose
 backend is an :class:`~pluribus_mpi.backend.MPIBackend` and start it as a non-blocking MPI
 operation on the calling thread, so that ``async_op=True`` returns a Work around the MPI request
-(instead of a job on the core's worker thread); for any other group they return None.
+(instead of a job on the core's worker thread); for any other group they return None. A group's
+synchronous calls skip the hooks: ``pluribus_bind_collective`` gives it the backend's blocking
+functions once.
 """
 
 from __future__ import annotations
@@ -87,6 +89,17 @@ def _start(group, name: str, key: Any, args: tuple, async_op: bool, written: tup
         return backend.start(name, args, written, key, staging)
     backend.execute(name, args, written, key, staging)
     return _COMPLETED
+
+
+@hookimpl
+def pluribus_bind_collective(group, collective, device):
+    """An MPI group's synchronous calls go straight to the backend (the hooks below would take
+    every one of them); host-staged cupy arrays keep the per-call path."""
+    module = sys.modules.get(_BACKEND_MODULE)
+    backend = group.backends.get(device)
+    if module is None or not isinstance(backend, module.MPIBackend):
+        return None
+    return backend.bind(collective, device)
 
 
 @hookimpl

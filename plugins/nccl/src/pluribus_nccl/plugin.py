@@ -4,7 +4,8 @@ The hooks take over every collective whose array lives on the GPU of a group who
 backend is an :class:`NcclBackend`, and pass (return None) otherwise, so numpy arrays of a
 ``"cpu:gloo,cuda:nccl"`` group still go through gloo. They enqueue on the communication stream
 from the calling thread, without the core's work queue: CUDA streams already keep the order,
-and the returned Work is the CUDA event itself.
+and the returned Work is the CUDA event itself. ``pluribus_bind_collective`` gives a group the
+same enqueue-and-wait for its synchronous calls.
 
 Importing this module imports no cupy; that happens in ``probe`` and ``create``.
 """
@@ -49,6 +50,23 @@ def _finish(backend: NcclBackend, work: NcclWork, async_op: bool) -> NcclWork:
     if not async_op:
         backend.complete(work)
     return work
+
+
+@hookimpl
+def pluribus_bind_collective(group, collective, device):
+    """A synchronous call on an NCCL group's GPU arrays enqueues and waits, as the hooks below
+    do for ``async_op=False``, without the hook chain."""
+    backend = getattr(group, "backends", {}).get(device)
+    if device != "cuda" or not isinstance(backend, NcclBackend):
+        return None
+    if collective == "barrier":  # only NCCL-only groups bind it on "cuda"
+        return lambda: backend.barrier_async().wait()
+    start = getattr(backend, f"{collective}_async")
+
+    def bound(*args):
+        backend.complete(start(*args))
+
+    return bound
 
 
 @hookimpl
