@@ -107,7 +107,7 @@ class ProcessGroup:
     def bound(self, collective: str, device: str) -> Callable[..., None] | None:
         """The function that runs synchronous ``collective`` calls for ``device`` arrays, bound
         once through ``pluribus_bind_collective``; None sends every call through the hooks."""
-        generation = plugins.generation()
+        generation = plugins.generation
         if generation != self._bound_generation:
             self._bound = {}
             self._bound_generation = generation

@@ -57,22 +57,18 @@ def _disabled() -> set[str]:
     return {p.strip() for p in os.environ.get(DISABLE_ENV, "").split(",") if p.strip()}
 
 
-_generation = 0
-
-
-def generation() -> int:
-    """A number that changes whenever a plugin is registered or unregistered: groups drop the
-    collectives they bound under other plugins when it moves."""
-    return _generation
+#: A number that changes whenever a plugin is registered or unregistered: groups drop the
+#: collectives they bound under other plugins when it moves. Read it as ``plugins.generation``.
+generation = 0
 
 
 def _moved() -> None:
-    global _generation
-    _generation += 1
+    global generation
+    generation += 1
 
 
 class _PluginManager(pluggy.PluginManager):
-    """pluggy's manager, telling :func:`generation` about every change of plugins."""
+    """pluggy's manager, moving :data:`generation` on every change of plugins."""
 
     def register(self, plugin, name=None):
         try:

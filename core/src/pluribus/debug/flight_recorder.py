@@ -7,7 +7,7 @@ to ``$PLURIBUS_FLIGHT_RECORDER_DIR/flight_recorder_r<rank>.json`` when a collect
 times out, when the rank dies of an uncaught exception, and when the launcher stops the rank;
 ``pluribus-run`` reads those files to say which collective each rank was stuck in.
 
-Recording costs one small object per call; no data is copied.
+Recording costs one small list per call; no data is copied.
 """
 
 from __future__ import annotations
@@ -49,71 +49,58 @@ def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
     return Path(directory) / f"flight_recorder_r{'unknown' if rank is None else rank}.json"
 
 
-class Entry:
-    """One recorded call. ``end`` is None while it runs.
+# An entry is a list, the cheapest record to make on every call:
+# [seq, group name, call, start, end (None while it runs), error (None unless it failed)].
+# ``call`` is a CollectiveCall, or for a bound call of one array (describe, shape, dtype, the other
+# arguments), made into a CollectiveCall only when the buffer is read.
+SEQ, GROUP, CALL, START, END, ERROR = range(6)
 
-    A bound call of one array keeps just that array's shape and dtype and the other arguments
-    (``summary``), and makes its :class:`CollectiveCall` only when the buffer is read.
-    """
 
-    __slots__ = ("seq", "group", "_call", "_describe", "_summary", "start", "end", "state", "error")
+def _call_of(entry: list) -> CollectiveCall:
+    call = entry[CALL]
+    if isinstance(call, tuple):
+        describe, shape, dtype, rest = call
+        call = entry[CALL] = describe(None, ArrayInfo(shape, dtype), *rest)
+    return call
 
-    def __init__(
-        self, seq: int, group: str, call: CollectiveCall | None, describe=None, summary=()
-    ):
-        self.seq = seq
-        self.group = group
-        self._call = call
-        self._describe = describe
-        self._summary = summary
-        self.start = time.time()
-        self.end: float | None = None
-        self.state = "started"
-        self.error: str | None = None
 
-    @property
-    def call(self) -> CollectiveCall:
-        if self._call is None:
-            shape, dtype, rest = self._summary
-            self._call = self._describe(None, ArrayInfo(shape, dtype), *rest)
-        return self._call
+def _finish(entry: list, error: BaseException | None) -> None:
+    if error is not None:
+        entry[ERROR] = f"{type(error).__name__}: {error}"
+    entry[END] = time.time()
 
-    def finish(self, error: BaseException | None) -> None:
-        self.end = time.time()
-        if error is None:
-            self.state = "completed"
-        else:
-            self.state = "failed"
-            self.error = f"{type(error).__name__}: {error}"
 
-    def as_dict(self) -> dict[str, Any]:
-        c = self.call
-        return {
-            "seq": self.seq,
-            "group": self.group,
-            "op": c.op,
-            "description": c.describe(),
-            "shape": list(c.shape) if c.shape is not None else None,
-            "dtype": c.dtype,
-            "bytes": c.nbytes,
-            "root": c.root,
-            "peer": c.peer,
-            "reduce_op": c.reduce_op_name,
-            "start": self.start,
-            "end": self.end,
-            "state": self.state,
-            "error": self.error,
-        }
+def entry_dict(entry: list) -> dict[str, Any]:
+    """An entry as it is dumped."""
+    c = _call_of(entry)
+    end, error = entry[END], entry[ERROR]
+    return {
+        "seq": entry[SEQ],
+        "group": entry[GROUP],
+        "op": c.op,
+        "description": c.describe(),
+        "shape": list(c.shape) if c.shape is not None else None,
+        "dtype": c.dtype,
+        "bytes": c.nbytes,
+        "root": c.root,
+        "peer": c.peer,
+        "reduce_op": c.reduce_op_name,
+        "start": entry[START],
+        "end": end,
+        "state": "failed" if error is not None else "started" if end is None else "completed",
+        "error": error,
+    }
 
 
 class FlightRecorder(CollectiveWrapper):
     """The recorder plugin; one per process (module-level ``recorder``)."""
 
     def __init__(self, size: int | None = None):
-        self.entries: collections.deque[Entry] = collections.deque(maxlen=1)
+        self.entries: collections.deque[list] = collections.deque(maxlen=1)
         self.enabled = False
         self.configure(size)
-        self._seq: dict[tuple[str, int, bool], int] = {}
+        # per (group, rank, collective or not): a one-item list, the last sequence number
+        self._seq: dict[tuple[str, int, bool], list[int]] = {}
         self._rank: int | None = None
 
     def configure(self, size: int | None = None) -> None:
@@ -134,11 +121,11 @@ class FlightRecorder(CollectiveWrapper):
             return (yield)
         group = call.group
         self._first_call(group)
-        # One rank issues a group's calls from one thread, so its counter needs no lock.
-        key = (group.name, group.global_rank, call.collective)
-        seq = self._seq[key] = self._seq.get(key, 0) + 1
+        counter = self._counter((group.name, group.global_rank, call.collective))
+        counter[0] += 1
+        seq = counter[0]
         call.group = None  # the buffer must not keep destroyed groups alive
-        entry = Entry(seq, group.name, call)
+        entry = [seq, group.name, call, time.time(), None, None]
         self.entries.append(entry)
         try:
             work = yield
@@ -155,35 +142,44 @@ class FlightRecorder(CollectiveWrapper):
         if bound is None or not self.enabled:
             return bound
         self._first_call(group)
-        describe, name, counters = DESCRIBE[collective], group.name, self._seq
-        key = (name, group.global_rank, True)
+        describe, name = DESCRIBE[collective], group.name
+        counter = self._counter((name, group.global_rank, True))
         names = BINDABLE[collective]  # one array first, then plain values: keep a summary
         one_array = names[:1] == ("array",) and not {"outputs", "inputs"} & set(names)
 
         def recorded(*args):
-            seq = counters[key] = counters.get(key, 0) + 1
+            counter[0] += 1
+            seq = counter[0]
             if one_array:
-                entry = Entry(seq, name, None, describe, (args[0].shape, args[0].dtype, args[1:]))
+                call = (describe, args[0].shape, args[0].dtype, args[1:])
             else:
-                entry = Entry(seq, name, describe(None, *args))
+                call = describe(None, *args)
+            entry = [seq, name, call, time.time(), None, None]
             self.entries.append(entry)
             try:
                 bound(*args)
             except BaseException as exc:
                 self._finished(entry, exc)
                 raise
-            entry.end = time.time()
-            entry.state = "completed"
+            entry[END] = time.time()
 
         return recorded
 
-    def _finished(self, entry: Entry, error: BaseException | None) -> None:
-        entry.finish(error)
+    def _counter(self, key: tuple[str, int, bool]) -> list[int]:
+        # One rank issues a group's calls from one thread, so its counter needs no lock.
+        counter = self._seq.get(key)
+        if counter is None:
+            counter = self._seq[key] = [0]
+        return counter
+
+    def _finished(self, entry: list, error: BaseException | None) -> None:
+        _finish(entry, error)
         if error is not None:
-            self.dump(f"{entry.call.describe()} on group {entry.group!r} failed: {error}")
+            description = _call_of(entry).describe()
+            self.dump(f"{description} on group {entry[GROUP]!r} failed: {error}")
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [e.as_dict() for e in self.entries.copy()]
+        return [entry_dict(e) for e in self.entries.copy()]
 
     def dump(self, reason: str, directory: str | os.PathLike | None = None) -> Path | None:
         """Write the buffer as JSON; returns the file, or None when there is nowhere to write."""
