@@ -312,7 +312,7 @@ def test_flight_recorder_keeps_the_last_calls_and_dumps_them(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_aids_that_are_off_add_no_wrapper_to_the_hooks(monkeypatch):
+def test_aids_that_are_off_add_no_wrapper_to_the_hooks(monkeypatch, tmp_path):
     monkeypatch.delenv(detail.DEBUG_ENV, raising=False)
     monkeypatch.delenv(trace.TRACE_ENV, raising=False)
     monkeypatch.setenv(flight_recorder.SIZE_ENV, "0")
@@ -333,7 +333,11 @@ def test_aids_that_are_off_add_no_wrapper_to_the_hooks(monkeypatch):
     assert outer_first == ["flight-recorder-calls", "debug-detail-calls"]
     monkeypatch.delenv(detail.DEBUG_ENV)
     monkeypatch.delenv(flight_recorder.SIZE_ENV)
-    assert run_thread_ranks(1, wrappers) == [["flight-recorder-calls"]]  # the default
+    # by default the recorder runs only where its dumps have somewhere to go (pluribus-run)
+    monkeypatch.setenv(flight_recorder.DIR_ENV, str(tmp_path))
+    assert run_thread_ranks(1, wrappers) == [["flight-recorder-calls"]]
+    monkeypatch.delenv(flight_recorder.DIR_ENV)
+    assert run_thread_ranks(1, wrappers) == [[]]
 
 
 def test_trace_of_a_failed_call_records_the_error(tmp_path):

@@ -1,13 +1,17 @@
 """The flight recorder: the last N operations of this process, dumped when something goes wrong.
 
 Every collective and point-to-point call is kept in a ring buffer (``PLURIBUS_FLIGHT_RECORDER=N``
-entries, 256 by default, 0 turns it off) with its group, sequence number, shapes, bytes, start
-and end time and state (``started``, ``completed``, ``failed``). The buffer is written as JSON
-to ``$PLURIBUS_FLIGHT_RECORDER_DIR/flight_recorder_r<rank>.json`` when a collective fails or
-times out, when the rank dies of an uncaught exception, and when the launcher stops the rank;
-``pluribus-run`` reads those files to say which collective each rank was stuck in.
+entries, 0 turns it off) with its group, sequence number, shapes, bytes, start and end time and
+state (``started``, ``completed``, ``failed``). The buffer is written as JSON to
+``$PLURIBUS_FLIGHT_RECORDER_DIR/flight_recorder_r<rank>.json`` when a collective fails or times
+out, when the rank dies of an uncaught exception, and when the launcher stops the rank;
+``pluribus-run`` sets that directory for every job and reads the files to say which collective
+each rank was stuck in.
 
-Recording costs one small list per call; no data is copied.
+Recording costs one small list per call (about a microsecond; no data is copied), so by default
+the recorder keeps 256 calls only where a dump has somewhere to go: when
+``PLURIBUS_FLIGHT_RECORDER_DIR`` is set. Elsewhere (a plain ``mpiexec`` job, say) it is off unless
+``PLURIBUS_FLIGHT_RECORDER`` asks for it.
 """
 
 from __future__ import annotations
@@ -104,9 +108,14 @@ class FlightRecorder(CollectiveWrapper):
         self._rank: int | None = None
 
     def configure(self, size: int | None = None) -> None:
-        """Keep the last ``size`` calls (default: ``$PLURIBUS_FLIGHT_RECORDER``, else 256)."""
+        """Keep the last ``size`` calls (default: ``$PLURIBUS_FLIGHT_RECORDER``, else 256 when
+        ``$PLURIBUS_FLIGHT_RECORDER_DIR`` is set and 0 when not)."""
         if size is None:
-            size = int(os.environ.get(SIZE_ENV, DEFAULT_SIZE) or 0)
+            setting = os.environ.get(SIZE_ENV, "").strip()
+            if setting:
+                size = int(setting)
+            else:
+                size = DEFAULT_SIZE if os.environ.get(DIR_ENV) else 0
         self.enabled = size > 0
         if self.entries.maxlen != max(size, 1):
             self.entries = collections.deque(self.entries, maxlen=max(size, 1))
