@@ -54,6 +54,9 @@ class ProcessGroup:
         self._subgroups = 0
         #: (array type, dtype, op) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
+        #: (array type, dtype, id(op), plugin generation) -> bound all_reduce, for the public
+        #: all_reduce's fast path
+        self.fast_all_reduce: dict[tuple[Any, Any, int, int], Callable[..., None]] = {}
         self._bound: dict[tuple[str, str], Callable[..., None] | None] = {}
         self._bound_generation = -1
 

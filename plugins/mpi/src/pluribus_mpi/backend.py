@@ -378,7 +378,9 @@ class MPIBackend(Backend):
         # a watchdog that ends the job when one outlives the timeout. Only when an error may end
         # the job anyway; otherwise every call polls a request and raises DistTimeoutError.
         self.blocking = abort_on_error_default()
-        self._watched: tuple[float, str, Any] | None = None
+        # (operation, key array) of the blocking call running now: a new tuple for every call, so
+        # the watchdog tells calls apart by identity and no clock is read on the fast path
+        self._watched: tuple[str, Any] | None = None
         self._watchdog: threading.Thread | None = None
         self._starters = {
             name[len("_start_") :]: getattr(self, name)
@@ -478,7 +480,7 @@ class MPIBackend(Backend):
         """The synchronous all-reduce with nothing between the caller and ``MPI_Allreduce`` but
         arming the watchdog: the call users time against raw mpi4py. AVG, half floats and a
         stopped backend take ``general``."""
-        comm, timeout, monotonic, in_place = self.comm, self.timeout, time.monotonic, MPI.IN_PLACE
+        comm, in_place = self.comm, MPI.IN_PLACE
         acquire, release = self.start_lock.acquire, self.start_lock.release
         # Keyed by id(op): ReduceOp members live for good, and Enum's hash is slow.
         types_and_ops = {
@@ -486,16 +488,23 @@ class MPIBackend(Backend):
             for (dtype, op), found in _TYPE_AND_OP.items()
             if op is not ReduceOp.AVG
         }
+        last = (None, None, None)  # dtype, op, MPI type and op of the previous call: one store
         if self._watchdog is None:
             self._start_watchdog()
 
         def all_reduce(array: Any, op: ReduceOp) -> None:
-            found = types_and_ops.get((array.dtype, id(op)))
+            nonlocal last
+            previous = last
+            if array.dtype is previous[0] and op is previous[1]:
+                found = previous[2]
+            else:
+                found = types_and_ops.get((array.dtype, id(op)))
+                last = (array.dtype, op, found)
             if found is None or self.aborted is not None or self.closed:
                 return general(array, op)
             acquire()
             try:
-                self._watched = (monotonic() + timeout, "all_reduce", array)
+                self._watched = ("all_reduce", array)
                 comm.Allreduce(in_place, [array, found[0]], found[1])
             except MPI.Exception as exc:
                 description = _describe("all_reduce", array, self.group_name)
@@ -522,7 +531,7 @@ class MPIBackend(Backend):
         """Run ``blocking(*args)``, one blocking MPI call, under the watchdog."""
         with self.start_lock:
             # Arming the watchdog is cheap: the description is made only on expiry.
-            self._watched = (time.monotonic() + self.timeout, name, key_array)
+            self._watched = (name, key_array)
             if self._watchdog is None:
                 self._start_watchdog()
             try:
@@ -542,12 +551,18 @@ class MPIBackend(Backend):
         self._watchdog.start()
 
     def _watch_loop(self) -> None:
+        """End the job when one blocking call has run for the timeout (give or take a period:
+        a call is timed from when the watchdog first sees it)."""
+        seen, since = None, 0.0
         while not self.closed:
             time.sleep(WATCHDOG_PERIOD)
             watched = self._watched
-            if watched is None or time.monotonic() < watched[0]:
+            if watched is not seen:  # no call, or another one: ``seen`` keeps it alive
+                seen, since = watched, time.monotonic()
                 continue
-            description = _describe(watched[1], watched[2], self.group_name)
+            if watched is None or time.monotonic() - since < self.timeout:
+                continue
+            description = _describe(watched[0], watched[1], self.group_name)
             error = DistTimeoutError(
                 f"rank {self.rank}: {description} did not complete within {self.timeout:.1f}s: "
                 "another rank of the group has not started the same operation (or died)"
