@@ -1,8 +1,10 @@
-"""Debugging aids, each a plugin wrapping every collective hook (registered as built-ins).
+"""Debugging aids, each a plugin wrapping every collective hook (registered as built-ins) and the
+functions groups bind for their synchronous calls.
 
 * :mod:`~pluribus.debug.detail` (``PLURIBUS_DEBUG=DETAIL``): ranks compare their calls before
   each collective and a mismatch raises on every rank.
-* :mod:`~pluribus.debug.flight_recorder` (on by default, ``PLURIBUS_FLIGHT_RECORDER=N``): the
-  last N calls, dumped when something fails so that ``pluribus-run`` can say where ranks were.
+* :mod:`~pluribus.debug.flight_recorder` (on under ``pluribus-run``,
+  ``PLURIBUS_FLIGHT_RECORDER=N``): the last N calls, dumped when something fails so that
+  ``pluribus-run`` can say where ranks were.
 * :mod:`~pluribus.debug.trace` (``PLURIBUS_TRACE=DIR``): a Perfetto trace file per rank.
 """
