@@ -52,7 +52,7 @@ class ProcessGroup:
         self._lock = threading.Lock()
         self._lanes: dict[Any, _Lane] = {}
         self._subgroups = 0
-        #: (array type, dtype, op) combinations the public API has checked, with their device
+        #: (array type, dtype, id(op)) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
         #: (array type, dtype, id(op), plugin generation) -> bound all_reduce, for the public
         #: all_reduce's fast path

@@ -308,13 +308,14 @@ def pluribus_bind_collective(
     ``device``, or None to leave them to the next plugin.
 
     A synchronous call of a small array costs about as much in a Python hook chain as on the
-    wire; a group asks this hook once per collective and device and then calls the function
-    directly, with the arguments of :data:`BINDABLE` (checked, ranks group-local), for every
-    synchronous call. Asynchronous calls always go through the per-call hook. The group binds
-    only while every plugin implementing the per-call hook (``pluribus_all_reduce``, ...) also
-    implements this one, so a plugin that knows nothing of binding keeps seeing every call. A
-    plugin that takes a collective's calls for its groups must bind them too (or return a
-    function that runs its per-call path); a wrapper (``wrapper=True``) may wrap the function.
+    wire; a group asks this hook once per collective and device (again after any plugin is
+    registered or unregistered) and then calls the function directly, with the arguments of
+    :data:`BINDABLE` (checked, ranks group-local), for every synchronous call. Asynchronous
+    calls always go through the per-call hook. The group binds only while every plugin
+    implementing the per-call hook (``pluribus_all_reduce``, ...) also implements this one, so a
+    plugin that knows nothing of binding keeps seeing every call. A plugin that takes a
+    collective's calls for its groups must bind them too (or return a function that runs its
+    per-call path); a wrapper (``wrapper=True``) may wrap the function.
 
     Example, a backend whose methods take exactly these arguments::
 
