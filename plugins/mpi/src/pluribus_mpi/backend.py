@@ -614,10 +614,7 @@ class MPIBackend(Backend):
 
     def run(self, name: str, *args: Any, written: tuple = (0,)) -> None:
         """Start ``name`` and wait for it: the blocking form used by the Backend methods."""
-        key = args[0] if name not in ("barrier",) else None
-        if isinstance(key, list):
-            key = key[0] if key else None
-        self.execute(name, args, written, key)
+        self.execute(name, args, written, CALL_LAYOUT[name][0](args))
 
     # -- starts: one MPI call each ----------------------------------------------------------------
 
