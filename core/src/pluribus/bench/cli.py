@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import PluribusError
 from ..plugins import resolve_backend
 from .core import COLLECTIVES, BenchConfig, Row, format_size, parse_size
-from .launch import PEERS, peer_unavailable, run_phase
+from .launch import PEERS, STAGED_PREFIX, is_peer, peer_unavailable, run_phase
 from .report import (
     comparisons,
     format_comparisons,
@@ -30,6 +30,7 @@ examples:
   pluribus-bench --nproc 2 -C all_reduce,all_gather --compare torch-gloo --compare mpi4py
   pluribus-run --nproc-per-node 2 -m pluribus.bench -b 1K -e 16M --json
   pluribus-bench --backend threads --nproc 4 -e 1M     # ranks as threads of one process
+  pluribus-bench --device cuda --backend ucc -b 1K -e 1G -C all_reduce --compare staged-gloo
 
 size is the per-rank buffer for all_reduce, broadcast and reduce, and the whole gathered or
 scattered buffer for all_gather, reduce_scatter and all_to_all (as in nccl-tests). time is per
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, repeatable; default all: {','.join(COLLECTIVES)}",
     )
     p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="buffers as numpy arrays (cpu, default) or cupy arrays on the rank's GPU (cuda)",
+    )
+    p.add_argument(
         "--backend",
         default=None,
         help="pluribus backend (default: the best available for CPU arrays)",
@@ -119,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PEER",
-        help=f"also measure {' and '.join(PEERS)} on the same sizes (repeatable)",
+        help=f"also measure {' and '.join(PEERS)} on the same sizes, or with --device cuda "
+        f"{STAGED_PREFIX}BACKEND: pluribus on a CPU backend staging through the host (repeatable)",
     )
     p.add_argument(
         "--repeat",
@@ -181,6 +189,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
         backend=backend,
         profile_dir=os.path.abspath(args.profile) if args.profile else "",
         direct=args.direct,
+        device=args.device,
     )
 
 
@@ -189,9 +198,10 @@ def _peers(values: list[str]) -> list[str]:
     for value in values:
         names.extend(v for v in value.replace(" ", "").split(",") if v)
     for name in names:
-        if name not in PEERS:
+        if not is_peer(name):
             raise SystemExit(
-                f"pluribus-bench: unknown --compare {name!r}; choose from {', '.join(PEERS)}"
+                f"pluribus-bench: unknown --compare {name!r}; choose from {', '.join(PEERS)} "
+                f"or {STAGED_PREFIX}BACKEND"
             )
     return list(dict.fromkeys(names))
 
@@ -219,7 +229,9 @@ def run_benchmark(
     averages, the pooled rows and the comparisons. A peer that is not installed is listed under
     ``"skipped_peers"`` with the reason instead of failing the run.
     """
-    skipped = {peer: reason for peer in compare if (reason := peer_unavailable(peer))}
+    skipped = {
+        peer: reason for peer in compare if (reason := peer_unavailable(peer, config.device))
+    }
     impls = ["pluribus"] + [p for p in compare if p not in skipped]
     rows: list[Row] = []
     phases = []
@@ -347,7 +359,7 @@ def _run_launched(config: BenchConfig, args: argparse.Namespace, peers: list[str
         rows.extend(Row.from_dict(r) for r in record["rows"])
         phases.append(_phase_entry(record, rep))
     nranks = records[0]["nranks"]
-    skipped = {peer: reason for peer in peers if (reason := peer_unavailable(peer))}
+    skipped = {peer: reason for peer in peers if (reason := peer_unavailable(peer, config.device))}
     for rep in range(args.repeat):
         for peer in (p for p in peers if p not in skipped):
             _note(f"# phase {peer} ({rep + 1}/{args.repeat}) ...", args.quiet)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..types import ReduceOp
-from .core import Case
+from .core import Case, array_module
 
 
 class Comm:
@@ -67,7 +67,9 @@ class PluribusComm(Comm):
     public API: the difference between the two is the core's cost per call.
     """
 
-    def __init__(self, group: Any = None, direct: bool = False):
+    def __init__(
+        self, group: Any = None, direct: bool = False, device: str = "cpu", name: str = ""
+    ):
         import pluribus
 
         self.pl = pluribus
@@ -75,7 +77,8 @@ class PluribusComm(Comm):
         self.rank = self.group.rank
         self.size = self.group.size
         self.direct = direct
-        self.name = f"pluribus-{self.group.backend_name}" + ("-direct" if direct else "")
+        self.device = device
+        self.name = name or f"pluribus-{self.group.backend_name}" + ("-direct" if direct else "")
         backend = self.group.backend_name
         version = pluribus.availability(backend).version if "," not in backend else ""
         self.library = f"pluribus {pluribus.__version__}, backend {backend} {version}".strip()
@@ -94,7 +97,7 @@ class PluribusComm(Comm):
             check_op(op, dtype, self.group.global_rank)
         except TypeError as exc:
             return str(exc)
-        backend = self.group.backends.get("cpu") or next(iter(self.group.backends.values()))
+        backend = self.group.backend_for(array_module(self.device).empty(0, dtype))
         reason = getattr(backend, "unsupported", lambda dtype, op: None)(np.dtype(dtype), op)
         return reason or None
 

@@ -134,8 +134,8 @@ class Case:
     dtype: np.dtype
     op: ReduceOp
     root: int
-    send: np.ndarray
-    recv: np.ndarray
+    send: Any
+    recv: Any
 
     @classmethod
     def make(
@@ -148,16 +148,19 @@ class Case:
         dtype: Any,
         op: ReduceOp,
         root: int = 0,
+        device: str = "cpu",
     ) -> Case:
+        """The buffers on ``device``: numpy arrays on "cpu", cupy arrays on "cuda"."""
         dtype = np.dtype(dtype)
+        xp = array_module(device)
         if collective in ("all_reduce", "broadcast", "reduce"):
-            send = recv = np.empty(count, dtype)
+            send = recv = xp.empty(count, dtype)
         elif collective == "all_gather":
-            send, recv = np.empty(per_rank, dtype), np.empty(count, dtype)
+            send, recv = xp.empty(per_rank, dtype), xp.empty(count, dtype)
         elif collective == "reduce_scatter":
-            send, recv = np.empty(count, dtype), np.empty(per_rank, dtype)
+            send, recv = xp.empty(count, dtype), xp.empty(per_rank, dtype)
         elif collective == "all_to_all":
-            send, recv = np.empty(count, dtype), np.empty(count, dtype)
+            send, recv = xp.empty(count, dtype), xp.empty(count, dtype)
         else:
             raise ValueError(f"unknown collective {collective!r}")
         case = cls(collective, rank, nranks, count, per_rank, dtype, op, root, send, recv)
@@ -173,8 +176,10 @@ class Case:
             self.recv[...] = 0
         if self.collective == "broadcast" and self.rank != self.root:
             self.send[...] = 0
-        else:
+        elif isinstance(self.send, np.ndarray):
             self.send[...] = self.input_of(self.rank)
+        else:
+            self.send.set(self.input_of(self.rank))  # cupy: one copy from the host
 
     def expected(self) -> np.ndarray | None:
         """What ``recv`` must hold after the collective; None where nothing is defined."""
@@ -199,7 +204,19 @@ class Case:
 
     def wrong(self) -> int:
         """How many elements of ``recv`` differ from the expected values (nccl-tests' #wrong)."""
-        return count_wrong(self.recv, self.expected())
+        recv = self.recv if isinstance(self.recv, np.ndarray) else self.recv.get()
+        return count_wrong(recv, self.expected())
+
+
+def array_module(device: str):
+    """numpy for "cpu", cupy for "cuda" (imported only then)."""
+    if device == "cpu":
+        return np
+    if device == "cuda":
+        import cupy
+
+        return cupy
+    raise ValueError(f"unknown device {device!r}; choose cpu or cuda")
 
 
 def count_wrong(result: np.ndarray, expected: np.ndarray | None) -> int:
@@ -236,6 +253,9 @@ class BenchConfig:
     profile_dir: str = ""
     #: Call the backend's methods directly instead of the public API (the core's overhead).
     direct: bool = False
+    #: Where the buffers live: "cpu" (numpy) or "cuda" (cupy; each timed operation ends with a
+    #: synchronisation of the current stream, so GPU work counts, as in nccl-tests).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         self.collectives = tuple(self.collectives)
@@ -247,6 +267,8 @@ class BenchConfig:
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("need at least one iteration and a non-negative warmup")
         ReduceOp(self.op)  # a clear ValueError for an unknown op name
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}; choose cpu or cuda")
 
     @property
     def reduce_op(self) -> ReduceOp:
@@ -354,6 +376,20 @@ def _time_ops(run: Callable[[], None], iters: int) -> np.ndarray:
     return times
 
 
+def _synchronised(run: Callable[[], None]) -> Callable[[], None]:
+    """``run`` followed by waiting for the current CUDA stream: an operation is done when its
+    GPU work is, even where the library returns as soon as the work is queued (NCCL)."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+
+    def run_and_wait() -> None:
+        run()
+        stream.synchronize()
+
+    return run_and_wait
+
+
 def measure_size(comm: Any, config: BenchConfig, collective: str, nbytes: int) -> Row:
     """Warm up, check once, then time back-to-back operations of one size; every rank gets the row.
 
@@ -376,8 +412,12 @@ def measure_size(comm: Any, config: BenchConfig, collective: str, nbytes: int) -
     if reason:
         row.skipped = reason
         return row
-    case = Case.make(collective, comm.rank, comm.size, count, per_rank, dtype, op, config.root)
+    case = Case.make(
+        collective, comm.rank, comm.size, count, per_rank, dtype, op, config.root, config.device
+    )
     run = comm.runner(collective, case, op, config.root)
+    if config.device == "cuda":
+        run = _synchronised(run)
     warm = _time_ops(run, config.warmup) if config.warmup else np.zeros(0)
     wrong = 0
     if config.check:

@@ -31,6 +31,13 @@ RESULT_ENV = "PLURIBUS_BENCH_RESULT"
 PROGRESS_ENV = "PLURIBUS_BENCH_PROGRESS"
 
 PEERS = ("torch-gloo", "mpi4py")
+#: ``staged-<backend>``: pluribus on a CPU backend carrying cupy arrays through host memory
+#: (``PLURIBUS_GPU_STAGING=1``), the baseline a GPU backend has to beat.
+STAGED_PREFIX = "staged-"
+
+
+def is_peer(name: str) -> bool:
+    return name in PEERS or (name.startswith(STAGED_PREFIX) and len(name) > len(STAGED_PREFIX))
 
 
 class BenchError(PluribusError):
@@ -52,9 +59,19 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec")
 
 
-def peer_unavailable(peer: str) -> str | None:
+def peer_unavailable(peer: str, device: str = "cpu") -> str | None:
     """Why ``peer`` cannot be compared against here (with the install command), or None."""
     import importlib.util
+
+    if peer.startswith(STAGED_PREFIX):
+        from ..plugins import availability
+
+        if device != "cuda":
+            return f"{peer} stages GPU arrays through the host: it needs --device cuda"
+        status = availability(peer.removeprefix(STAGED_PREFIX))
+        return None if status.ok else f"{status.reason}; {status.remedy}"
+    if device != "cpu" and peer in PEERS:
+        return f"{peer} is measured on numpy arrays only (drop --device {device})"
 
     if peer == "torch-gloo":
         if importlib.util.find_spec("torch") is None:
@@ -203,13 +220,17 @@ def _run_phase(
 ) -> dict:
     if impl == "pluribus" and config.backend == "threads":
         return run_threads(config, nproc)
-    if impl in PEERS:
-        reason = peer_unavailable(impl)
+    if impl != "pluribus":
+        reason = peer_unavailable(impl, config.device)
         if reason:
             raise BenchError(f"cannot compare with {impl}: {reason}")
     spec = {"impl": impl, "config": config.to_dict()}
+    pluribus_phase = impl == "pluribus" or impl.startswith(STAGED_PREFIX)
     if launcher == "auto":
-        launcher = "mpiexec" if impl == "mpi4py" or config.backend == "mpi" else "spawn"
+        backend = impl.removeprefix(STAGED_PREFIX) if pluribus_phase else ""
+        if impl == "pluribus":
+            backend = config.backend
+        launcher = "mpiexec" if impl == "mpi4py" or backend == "mpi" else "spawn"
     with tempfile.TemporaryDirectory(prefix="pluribus-bench-") as tmp:
         logdir = Path(tmp)
         result = logdir / "result.json"
@@ -217,7 +238,9 @@ def _run_phase(
         cmd = [sys.executable, "-m", "pluribus.bench.worker"]
         store = None
         try:
-            if impl == "pluribus":
+            if impl.startswith(STAGED_PREFIX):
+                env["PLURIBUS_GPU_STAGING"] = "1"
+            if pluribus_phase:
                 from ..store import AUTH_TOKEN_ENV, TCPStore
 
                 token = env.get(AUTH_TOKEN_ENV) or secrets.token_hex(16)

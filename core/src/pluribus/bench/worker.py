@@ -13,7 +13,7 @@ import sys
 import time
 
 from .core import BenchConfig, Row, format_size, measure
-from .launch import CONFIG_ENV, PROGRESS_ENV, RESULT_ENV
+from .launch import CONFIG_ENV, PROGRESS_ENV, RESULT_ENV, STAGED_PREFIX
 
 
 def rank_and_size() -> tuple[int, int]:
@@ -42,14 +42,17 @@ def open_comm(impl: str, config: BenchConfig):
     """Join the phase's job with ``impl``'s own initialisation and return its Comm."""
     from .comms import MpiComm, PluribusComm, TorchComm
 
-    if impl == "pluribus":
+    if impl == "pluribus" or impl.startswith(STAGED_PREFIX):
         import pluribus
 
         rank, size = rank_and_size()
-        pluribus.init_process_group(
-            config.backend, rank=rank, world_size=size, timeout=config.timeout
-        )
-        return PluribusComm(direct=config.direct)
+        if config.device == "cuda":
+            _use_gpu()
+        staged = impl.startswith(STAGED_PREFIX)
+        backend = impl.removeprefix(STAGED_PREFIX) if staged else config.backend
+        # a staged phase's launcher set PLURIBUS_GPU_STAGING=1: cupy arrays cross the host
+        pluribus.init_process_group(backend, rank=rank, world_size=size, timeout=config.timeout)
+        return PluribusComm(direct=config.direct, device=config.device, name=impl if staged else "")
     if impl == "torch-gloo":
         rank, size = rank_and_size()
         return TorchComm(rank, size, config.timeout)
@@ -58,8 +61,18 @@ def open_comm(impl: str, config: BenchConfig):
     raise SystemExit(f"pluribus.bench.worker: unknown implementation {impl!r}")
 
 
+def _use_gpu() -> None:
+    """Make this rank's GPU current (local rank modulo the GPU count) and create its context
+    before any backend starts, so transports such as UCX see GPU memory from the first call."""
+    import cupy
+
+    local = int(os.environ.get("LOCAL_RANK", rank_and_size()[0]))
+    cupy.cuda.Device(local % cupy.cuda.runtime.getDeviceCount()).use()
+    cupy.cuda.runtime.free(0)
+
+
 def close_comm(impl: str, comm) -> None:
-    if impl == "pluribus":
+    if impl == "pluribus" or impl.startswith(STAGED_PREFIX):
         import pluribus
 
         pluribus.destroy_process_group()

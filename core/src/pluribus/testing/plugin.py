@@ -3,6 +3,8 @@ the conformance suite and for tests that need ranks."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from .harness import RankPool
@@ -46,6 +48,20 @@ def pytest_addoption(parser):
         action="append",
         default=[],
         help="KEY=VALUE set in every rank process (repeatable)",
+    )
+    group.addoption(
+        "--pluribus-device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the checks' arrays live: cpu (numpy, default) or cuda (cupy; for backends "
+        "whose devices include cuda, or hybrid groups such as cpu:gloo,cuda:nccl)",
+    )
+    group.addoption(
+        "--pluribus-backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option passed to init_process_group(backend_options=...) (repeatable)",
     )
     group.addoption(
         "--pluribus-timeout",
@@ -97,12 +113,37 @@ def pluribus_pool(request, pluribus_world_size, _pluribus_pools):
     if not status.ok:
         pytest.fail(f"backend {backend!r} is not available: {status.reason}; {status.remedy}")
     env = dict(item.split("=", 1) for item in config.getoption("--pluribus-env"))
+    options = dict(item.split("=", 1) for item in config.getoption("--pluribus-backend-option"))
+    from .checks import DEVICE_ENV
+
+    device = config.getoption("--pluribus-device")
+    if device == "cuda":
+        _require_cupy_device()
+    # threads and in-place ranks read it from this process, spawned ones inherit it
+    os.environ[DEVICE_ENV] = env[DEVICE_ENV] = device
     mode = config.getoption("--pluribus-mode")
     key = (backend, pluribus_world_size, mode)
     pool = _pluribus_pools.get(key)
     if pool is None:
         size = 1 if pluribus_world_size == "job" else pluribus_world_size
         pool = _pluribus_pools[key] = RankPool(
-            size, backend, mode, timeout=config.getoption("--pluribus-timeout"), env=env
+            size,
+            backend,
+            mode,
+            timeout=config.getoption("--pluribus-timeout"),
+            env=env,
+            backend_options=options or None,
         )
     return pool
+
+
+def _require_cupy_device() -> None:
+    """Fail (not skip) a cupy run that cannot see a GPU: it was asked for by name."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        pytest.fail(f"--pluribus-device cuda needs cupy and a CUDA GPU: {exc}")
+    if count < 1:
+        pytest.fail("--pluribus-device cuda: cupy sees no CUDA GPU")
