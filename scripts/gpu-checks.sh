@@ -44,6 +44,9 @@ if wanted setup || [ ! -x "$VENV/bin/python" ]; then
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv || true
     python3 -m venv --system-site-packages "$VENV" || exit 2
     PY="$VENV/bin/python"
+    # python3 may itself be a venv (the GPU images' is): see its packages too, behind ours
+    python3 -c "import site; print('\n'.join(site.getsitepackages()))" \
+        >"$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-host.pth"
     if [ -n "${WHEELS:-}" ]; then
         "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl
     else

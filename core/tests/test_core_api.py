@@ -110,6 +110,15 @@ def test_backend_strings():
         )
 
 
+class CupyFlags:
+    """cupy's ``ndarray.flags``: contiguity and ownership, and no ``writeable`` at all."""
+
+    def __init__(self, host):
+        self.c_contiguous = host.flags.c_contiguous
+        self.f_contiguous = host.flags.f_contiguous
+        self.owndata = host.flags.owndata
+
+
 class FakeCudaArray:
     """Stands in for a cupy array: its type's module starts with "cupy", get()/set() copy."""
 
@@ -118,7 +127,7 @@ class FakeCudaArray:
     def __init__(self, host):
         self.host = np.ascontiguousarray(host)
         self.dtype, self.shape, self.size = self.host.dtype, self.host.shape, self.host.size
-        self.flags = self.host.flags
+        self.flags = CupyFlags(self.host)
         self.copies = 0
 
     def get(self):
@@ -148,6 +157,10 @@ def _gpu_staged():
     x = FakeCudaArray(np.full(5, pb.get_rank() + 1.0))
     pb.all_reduce(x)
     assert (x.host == 3).all() and x.copies == 2  # one copy to host, one back
+    pb.all_reduce(x)  # the second call takes the checked fast path
+    assert (x.host == 6).all()
+    pb.broadcast(x, src=0)
+    assert (x.host == 6).all()
 
 
 def test_gpu_staging_copies_through_host(monkeypatch):

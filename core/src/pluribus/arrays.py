@@ -71,7 +71,7 @@ def check_array(array: Any, what: str, rank: int, writable: bool = True) -> None
             f"rank {rank}: {what} is not contiguous (shape {array.shape}, strides "
             f"{array.strides}); pass np.ascontiguousarray(x) and copy the result back"
         )
-    if writable and not array.flags.writeable:
+    if writable and not getattr(array.flags, "writeable", True):  # cupy has no such flag
         raise ValueError(
             f"rank {rank}: {what} is read-only; collectives write their result in place, "
             "pass a writable copy"

@@ -342,7 +342,7 @@ def _check_reduction(g: ProcessGroup, array: Any, op: ReduceOp, what: str) -> st
     try:
         device = g.checked_ops[(type(array), array.dtype, id(op))]
         flags = array.flags
-        if flags.c_contiguous and flags.writeable:
+        if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
             return device
     except (AttributeError, KeyError, TypeError):
         pass
@@ -398,7 +398,7 @@ def all_reduce(
             bound = None
         if bound is not None:
             flags = array.flags
-            if flags.c_contiguous and flags.writeable:
+            if flags.c_contiguous and getattr(flags, "writeable", True):
                 bound(array, op)
                 return None
     device = _check_reduction(g, array, op, "array")
