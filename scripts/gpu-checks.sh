@@ -110,9 +110,14 @@ EOF
 if wanted tests; then
     step "tests: every distribution's gpu-marked tests (nccl's run in the nccl step)"
     junit=$(mktemp --suffix .xml)
-    "$PY" -m pytest -p no:cacheprovider -m gpu -v -rs --junitxml="$junit" \
+    "$PY" -m pytest -p no:cacheprovider -m "gpu and not mpi" -v -rs --junitxml="$junit" \
         core/tests plugins/gloo/tests plugins/ucc/tests plugins/mpi/tests tests
     rc=$?
+    no_unexpected_skips "$junit" || [ "$rc" -ne 0 ] || rc=3
+    echo "-- the gpu-marked mpi tests, under mpiexec -n 2"
+    timeout -k 10 300 "$(command -v mpiexec)" -n 2 env PLURIBUS_JUNIT="$junit" "$PY" \
+        plugins/mpi/tests/pytest_rank.py -q -p no:cacheprovider -m "gpu and mpi" -rs \
+        plugins/mpi/tests/test_mpi_collectives.py || [ "$rc" -ne 0 ] || rc=4
     no_unexpected_skips "$junit" || [ "$rc" -ne 0 ] || rc=3
     rm -f "$junit"
     record tests "$rc"

@@ -108,10 +108,12 @@ def pluribus_pool(request, pluribus_world_size, _pluribus_pools):
     if backend is None:
         pytest.skip("no backend named: pass --pluribus-backend NAME to run the conformance suite")
     import pluribus
+    from pluribus.distributed import _parse_backend
 
-    status = pluribus.availability(backend)
-    if not status.ok:
-        pytest.fail(f"backend {backend!r} is not available: {status.reason}; {status.remedy}")
+    for name in dict.fromkeys(_parse_backend(backend).values()):  # each of "cpu:X,cuda:Y"
+        status = pluribus.availability(name)
+        if not status.ok:
+            pytest.fail(f"backend {name!r} is not available: {status.reason}; {status.remedy}")
     env = dict(item.split("=", 1) for item in config.getoption("--pluribus-env"))
     options = dict(item.split("=", 1) for item in config.getoption("--pluribus-backend-option"))
     from .checks import DEVICE_ENV

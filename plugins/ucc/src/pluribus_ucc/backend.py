@@ -121,7 +121,14 @@ class UccBackend(Backend):
 
     @staticmethod
     def _ready(array: Any) -> None:
-        """Let GPU kernels that wrote ``array`` finish before UCX reads it."""
+        """Let the GPU work queued on the current stream finish before UCX touches ``array``.
+
+        UCX reads and writes cupy memory outside that stream, so both hazards are real: a send
+        must not read what a kernel has yet to write, and a receive must not land before a
+        queued write (``cupy.zeros``, a copy from the host) or a kernel still reading the buffer
+        (the reduction of the previous message) is done, or that work overwrites or consumes
+        the new data. Called before posting sends and receives on cuda arrays.
+        """
         if device_of(array) == "cuda":
             import cupy
 
@@ -135,6 +142,7 @@ class UccBackend(Backend):
 
     @_keeps_buffers_on_failure
     def recv(self, array: Any, src: int, tag: int = 0) -> None:
+        self._ready(array)
         self._wait([self._recv(array, src, tag)], f"recv from rank {src} (tag {tag})", (src,))
 
     @_keeps_buffers_on_failure
@@ -227,8 +235,8 @@ class UccBackend(Backend):
         segs = self._segments(byte_view(array)) or [byte_view(array)]
         what = f"broadcast from rank {src}"
         sends = []
+        self._ready(array)
         if parent is None:
-            self._ready(array)
             for j, seg in enumerate(segs):
                 sends += [self._send(seg, child, NATIVE_TAG + j) for child in children]
         else:
@@ -303,12 +311,14 @@ class UccBackend(Backend):
             return
         assert outputs is not None
         byte_view(outputs[dst])[...] = byte_view(array)
+        self._ready(array)
         ops = [self._recv(outputs[s], s, NATIVE_TAG) for s in range(self.size) if s != dst]
         self._wait(ops, "gather")
 
     @_keeps_buffers_on_failure
     def scatter(self, array: Any, inputs: list | None, src: int) -> None:
         if self.rank != src:
+            self._ready(array)
             self._wait([self._recv(array, src, NATIVE_TAG)], f"scatter from rank {src}")
             return
         assert inputs is not None
