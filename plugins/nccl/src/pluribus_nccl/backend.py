@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -603,6 +603,10 @@ class NcclBackend(Backend):
 
     def reduce_scatter_async(self, output: Any, inputs: list[Any], op: ReduceOp) -> NcclWork:
         how = self._reduction(np.dtype(output.dtype), op)
+        if how.nccl_op == getattr(self.nccl, "NCCL_AVG", None):
+            # NCCL 2.28's ncclAvg reduce-scatter left the last element of an odd-sized block
+            # unwritten (seen at world size 1 on an H100): sum, then divide.
+            how = replace(how, nccl_op=self.nccl.NCCL_SUM, divide=True)
         ptr = self.runtime.pointer
         count = output.size
         even = all(x.size == count for x in inputs)

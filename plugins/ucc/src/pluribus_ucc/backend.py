@@ -28,6 +28,9 @@ MAX_NATIVE_TAGS = (1 << 24) - 1
 
 #: Pipeline segment of the ring all-reduce and the broadcast tree (bytes).
 DEFAULT_SEGMENT_BYTES = 1 << 20
+#: The same for cupy arrays: every GPU segment costs a stream synchronisation and a CUDA IPC
+#: transfer of its own, so GPU segments are larger.
+DEFAULT_CUDA_SEGMENT_BYTES = 16 << 20
 #: All-reduces up to this size use recursive doubling (log2(p) exchanges of the whole array)
 #: when the group size is a power of two; larger ones the bandwidth-optimal ring.
 DEFAULT_SMALL_BYTES = 64 << 10
@@ -73,6 +76,9 @@ class UccBackend(Backend):
         self.tag_base = tag_space << SUBGROUP_SHIFT
         self.options = options
         self.segment_bytes = int(options.get("ucc_segment_bytes", DEFAULT_SEGMENT_BYTES))
+        self.cuda_segment_bytes = int(
+            options.get("ucc_cuda_segment_bytes", DEFAULT_CUDA_SEGMENT_BYTES)
+        )
         self.small_bytes = int(options.get("ucc_small_bytes", DEFAULT_SMALL_BYTES))
         self.owns_transport = tag_space == 0
         self._posted = threading.local()
@@ -182,7 +188,8 @@ class UccBackend(Backend):
             mask, level = mask << 1, level + 1
 
     def _segments(self, chunk: Any) -> list[Any]:
-        per = max(1, self.segment_bytes // max(1, chunk.itemsize))
+        size = self.cuda_segment_bytes if device_of(chunk) == "cuda" else self.segment_bytes
+        per = max(1, size // max(1, chunk.itemsize))
         return [chunk[i : i + per] for i in range(0, chunk.size, per)]
 
     def _all_reduce_ring(self, data: Any, op: ReduceOp) -> None:

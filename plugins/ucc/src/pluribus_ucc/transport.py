@@ -86,6 +86,9 @@ class Transport:
         self.store = store
         self.timeout = timeout
         self.spin = float(options.get("ucc_spin_us", 50.0)) * 1e-6
+        # CUDA copies complete without a file-descriptor event, so a wait on GPU memory polls;
+        # it spins (yielding the core) this long before it polls every 0.5 ms.
+        self.cuda_spin = float(options.get("ucc_cuda_spin_us", 20000.0)) * 1e-6
         self.spin_yield = bool(options.get("ucc_spin_yield", True))
         error_handling = bool(options.get("ucc_error_handling", False))
         host = options.get("ucc_host") or os.environ.get("PLURIBUS_UCC_HOST", "127.0.0.1")
@@ -245,8 +248,8 @@ class Transport:
         if not ops:
             return
         deadline = time.monotonic() + timeout
-        spin_until = time.monotonic() + self.spin
         cuda = any(op.cuda for op in ops)
+        spin_until = time.monotonic() + (self.cuda_spin if cuda else self.spin)
         with self.lock:
             try:
                 while True:
