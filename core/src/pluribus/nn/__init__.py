@@ -8,18 +8,20 @@ objects with ``.data`` and ``.grad``, ``forward``, ``backward`` that accumulates
 
 from .layers import GELU, BatchNorm1d, Dropout, Embedding, LayerNorm, Linear, ReLU, Tanh
 from .losses import CrossEntropyLoss, MSELoss
-from .module import Module, Parameter, RemovableHandle, Sequential, array_namespace
-from .optim import SGD, AdamW, Optimizer
+from .module import Composite, Module, Parameter, RemovableHandle, Sequential, array_namespace
+from .optim import SGD, AdamW, LambdaLR, Optimizer
 
 __all__ = [
     "GELU",
     "SGD",
     "AdamW",
     "BatchNorm1d",
+    "Composite",
     "CrossEntropyLoss",
     "Dropout",
     "Embedding",
     "LayerNorm",
+    "LambdaLR",
     "Linear",
     "MSELoss",
     "Module",
