@@ -87,7 +87,9 @@ class ReLU(Module):
         return x * mask
 
     def backward(self, grad_output: Any) -> Any:
-        return grad_output * self.saved("mask")
+        mask = self.saved("mask")
+        self.release_saved(recurse=False)
+        return grad_output * mask
 
 
 class Tanh(Module):
@@ -98,6 +100,7 @@ class Tanh(Module):
 
     def backward(self, grad_output: Any) -> Any:
         out = self.saved("output")
+        self.release_saved(recurse=False)
         return grad_output * (1 - out * out)
 
 
@@ -139,9 +142,11 @@ class GELU(Module):
     def backward(self, grad_output: Any) -> Any:
         if self.approximate == "tanh":
             x, t = self.saved("input", "tanh")
+            self.release_saved(recurse=False)
             dt = (1 - t * t) * self._C * (1 + 3 * 0.044715 * x * x)
             return grad_output * (0.5 * (1 + t) + 0.5 * x * dt)
         x, cdf = self.saved("input", "cdf")
+        self.release_saved(recurse=False)
         pdf = array_namespace(x).exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
         return grad_output * (cdf + x * pdf)
 
@@ -174,14 +179,15 @@ class Dropout(Module):
 
     def backward(self, grad_output: Any) -> Any:
         mask = self.saved("mask")
+        self.release_saved(recurse=False)
         return grad_output if mask is None else grad_output * mask
 
     def get_rng_state(self) -> Any:
         """A copy of the random state, so a recomputed forward draws the same mask."""
-        return copy.deepcopy(self._rngs)
+        return {xp: copy.deepcopy(rng) for xp, rng in self._rngs.items()}
 
     def set_rng_state(self, state: Any) -> None:
-        self._rngs = copy.deepcopy(state)
+        self._rngs = {xp: copy.deepcopy(rng) for xp, rng in state.items()}
 
     def __repr__(self) -> str:
         return f"Dropout(p={self.p})"

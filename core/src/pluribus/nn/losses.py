@@ -62,6 +62,7 @@ class CrossEntropyLoss(Module):
 
     def backward(self, grad_output: Any = 1.0) -> Any:
         probs, target, keep, count = self.saved("probs", "target", "keep", "count")
+        self.release_saved(recurse=False)
         xp = array_namespace(probs)
         eps = self.label_smoothing
         grad = probs - eps / probs.shape[1] if eps else probs.copy()
@@ -80,4 +81,5 @@ class MSELoss(Module):
 
     def backward(self, grad_output: Any = 1.0) -> Any:
         diff = self.saved("diff")
+        self.release_saved(recurse=False)
         return diff * (2.0 * grad_output / diff.size)
