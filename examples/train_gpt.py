@@ -55,7 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(nn.PRESETS), default="small", help="model size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of the whole schedule")
+    parser.add_argument(
+        "--epochs-this-run",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N epochs (a time-limited job); --resume continues the same schedule",
+    )
     parser.add_argument(
         "--train-windows", type=int, default=8192, help="windows in the training set"
     )
@@ -265,7 +272,8 @@ def train(args: argparse.Namespace) -> dict:
 
     history: dict = {"losses": [], "held_out": [], "tokens_per_s": []}
     tokens_per_step = world * args.batch_size * block
-    for epoch in range(start_epoch, args.epochs):
+    stop = args.epochs if args.epochs_this_run is None else start_epoch + args.epochs_this_run
+    for epoch in range(start_epoch, min(stop, args.epochs)):
         sampler.set_epoch(epoch)
         started, epoch_losses = time.perf_counter(), []
         for step, indices in enumerate(sampler.batches(args.batch_size, drop_last=True)):
