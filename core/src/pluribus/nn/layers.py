@@ -184,7 +184,14 @@ class Dropout(Module):
 
     def get_rng_state(self) -> Any:
         """A copy of the random state, so a recomputed forward draws the same mask."""
-        return {xp: copy.deepcopy(rng) for xp, rng in self._rngs.items()}
+        try:
+            return {xp: copy.deepcopy(rng) for xp, rng in self._rngs.items()}
+        except Exception as error:  # a generator that cannot be copied
+            raise RuntimeError(
+                f"Dropout cannot save its random state ({type(error).__name__}: {error}), so a "
+                "recomputed forward would draw different masks; checkpoint units without "
+                "dropout, or set its p to 0"
+            ) from error
 
     def set_rng_state(self, state: Any) -> None:
         self._rngs = {xp: copy.deepcopy(rng) for xp, rng in state.items()}
