@@ -31,6 +31,13 @@ from pluribus.parallel import DistributedDataParallel  # noqa: E402
 CHECKPOINT_NAME = "digits.npz"
 
 
+def default_checkpoint_dir(name: str) -> Path:
+    """``$XDG_CACHE_HOME/pluribus/checkpoints/<name>`` (``~/.cache`` without it): a run started
+    from any folder finds its checkpoint again and leaves nothing where it was started."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache).resolve() / "pluribus" / "checkpoints" / name
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="gloo", help="collective backend (default: gloo)")
@@ -41,8 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--checkpoint-dir",
-        default="checkpoints/digits",
-        help="where the checkpoint is saved and resumed from ('' turns it off)",
+        default=str(default_checkpoint_dir("digits")),
+        help="where the checkpoint is saved and resumed from ('' turns it off; default: "
+        "%(default)s, under the user's cache folder, never the working directory)",
     )
     parser.add_argument(
         "--resume",

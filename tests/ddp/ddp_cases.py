@@ -102,3 +102,56 @@ def check_matches_reference(
         np.testing.assert_allclose(
             results[0]["state"][name], value, rtol=rtol, atol=atol, err_msg=name
         )
+
+
+# -- the GPT: DDP over ranks equals one process on the whole batch ---------------------------
+
+GPT_VOCAB, GPT_CONTEXT = 13, 8
+
+
+def make_gpt(seed: int) -> nn.GPT:
+    config = nn.GPTConfig(
+        vocab_size=GPT_VOCAB, block_size=GPT_CONTEXT, n_layer=2, n_head=2, n_embd=16
+    )
+    return nn.GPT(config, rng=seed).to(dtype=np.float64)
+
+
+def gpt_batch(step: int, rows: int) -> np.ndarray:
+    """Token windows of length context + 1 (inputs and next-token targets), same on every rank:
+    counting from a random start, so that there is something to learn."""
+    starts = np.random.default_rng(500 + step).integers(0, GPT_VOCAB, (rows, 1))
+    return (starts + np.arange(GPT_CONTEXT + 1)) % GPT_VOCAB
+
+
+def _gpt_step(forward, backward, opt, batch) -> float:
+    loss_fn = nn.CrossEntropyLoss()
+    logits = forward(batch[:, :-1])
+    loss = loss_fn.forward(logits.reshape(-1, GPT_VOCAB), batch[:, 1:].reshape(-1))
+    backward(loss_fn.backward().reshape(logits.shape))
+    opt.step()
+    opt.zero_grad()
+    return float(loss)
+
+
+def reference_gpt_train(world: int, per_rank: int, steps: int) -> dict:
+    model = make_gpt(seed=7)
+    opt = nn.AdamW(model.parameters(), lr=1e-2)
+    losses = [
+        _gpt_step(model.forward, model.backward, opt, gpt_batch(step, world * per_rank))
+        for step in range(steps)
+    ]
+    return {"state": model.state_dict(), "losses": losses}
+
+
+def ddp_gpt_train_on_rank(per_rank: int, steps: int, bucket_cap_mb: float) -> dict:
+    rank = pluribus.get_rank()
+    model = make_gpt(seed=7 + rank)  # DDP broadcasts rank 0's weights
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    opt = nn.AdamW(ddp.parameters(), lr=1e-2)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    world = pluribus.get_world_size()
+    losses = [
+        _gpt_step(ddp.forward, ddp.backward, opt, gpt_batch(step, world * per_rank)[mine])
+        for step in range(steps)
+    ]
+    return {"state": ddp.state_dict(), "losses": losses, "buckets": len(ddp.buckets)}

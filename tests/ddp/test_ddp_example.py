@@ -112,3 +112,10 @@ def test_pluribus_run_on_gloo_resumes_after_a_rank_crashes(tmp_path):
     assert "at epoch 2 (restart 1)" in output
     accuracy = float(output.split("held-out accuracy ")[1].split("%")[0])
     assert accuracy >= 95, output
+
+
+def test_default_checkpoint_folder_is_the_users_cache_not_the_working_directory(monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
+    folder = Path(train_digits.parse_args([]).checkpoint_dir)
+    assert folder.is_absolute()
+    assert folder == Path("/somewhere/cache/pluribus/checkpoints/digits").resolve()

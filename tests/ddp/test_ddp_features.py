@@ -190,3 +190,65 @@ def test_custom_comm_hook_gets_its_state_and_every_bucket():
 
     for seen, n in run_ranks(run, 2, "threads"):
         assert seen == [("my-state", i) for i in range(n)]
+
+
+def _branch_schedule(step: int) -> bool:
+    return step == 0  # every rank stops using the branch after the first step
+
+
+def _train_two_branch(model, forward, backward, rows):
+    opt = nn.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    snapshots = []
+    for step in range(4):
+        model.use_branch = _branch_schedule(step)
+        out = forward(rows(step))
+        backward(out / out.size)  # d(0.5 * mean of squares)
+        snapshots.append(
+            {n: None if p.grad is None else p.grad.copy() for n, p in model.named_parameters()}
+        )
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), snapshots
+
+
+def _global_rows(step: int) -> np.ndarray:
+    return np.random.default_rng(step).standard_normal((8, 3)).astype(np.float32)
+
+
+def _unused_everywhere_on_rank():
+    rank = pluribus.get_rank()
+    model = TwoBranch()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True, process_group=None)
+    return _train_two_branch(
+        model, ddp.forward, ddp.backward, lambda step: _global_rows(step)[rank * 4 : rank * 4 + 4]
+    )
+
+
+def test_a_parameter_no_rank_used_keeps_no_gradient_and_matches_one_process():
+    """Weight decay and momentum must not move it, as in torch and in one process."""
+    results = run_ranks(_unused_everywhere_on_rank, 2, "threads", timeout=60)
+    model = TwoBranch()
+    expected, snapshots = _train_two_branch(model, model.forward, model.backward, _global_rows)
+    for state, grads in results:
+        assert grads[1]["branch.weight"] is None and grads[1]["branch.bias"] is None
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert snapshots[1]["branch.weight"] is None  # the single-process oracle
+
+
+def _process_group_keyword():
+    group = pluribus.new_group([0, 1])
+    ddp = DistributedDataParallel(make_model(pluribus.get_rank()), process_group=group)
+    assert ddp.process_group is group
+    try:
+        DistributedDataParallel(
+            make_model(0), group=pluribus.new_group([0, 1]), process_group=group
+        )
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_process_group_is_accepted_as_torch_spells_it():
+    for message in run_ranks(_process_group_keyword, 2, "threads", timeout=60):
+        assert "both group= and process_group=" in message

@@ -8,7 +8,13 @@ cannot run here are skipped with the reason.
 
 import numpy as np
 import pytest
-from ddp_cases import check_matches_reference, ddp_train_on_rank, reference_train
+from ddp_cases import (
+    check_matches_reference,
+    ddp_gpt_train_on_rank,
+    ddp_train_on_rank,
+    reference_gpt_train,
+    reference_train,
+)
 from pluribus.testing import RankPool, require_backend
 
 pytestmark = pytest.mark.timeout(240)
@@ -65,3 +71,18 @@ def test_compression_hooks_processes_stay_within_tolerance(pools, backend, hook,
     reference = reference_train(world, per_rank, steps, 1)
     worst = max(np.abs(results[0]["state"][k] - v).max() for k, v in reference.items())
     assert 0 < worst < tolerance
+
+
+def test_gpt_under_ddp_on_gloo_equals_one_process_on_the_whole_batch(pools):
+    """Float64, tied head (a gradient that arrives twice), several buckets with overlap: the
+    mean of the ranks' losses is the whole batch's loss at every step, to round-off."""
+    world, per_rank, steps = 2, 3, 4
+    results = pools("gloo", world).run(ddp_gpt_train_on_rank, per_rank, steps, 8192 / 2**20)
+    assert results[0]["buckets"] >= 3
+    expected = reference_gpt_train(world, per_rank, steps)
+    ddp_losses = np.mean([r["losses"] for r in results], axis=0)
+    np.testing.assert_allclose(ddp_losses, expected["losses"], rtol=1e-12)
+    assert expected["losses"][-1] < expected["losses"][0]
+    for name, value in expected["state"].items():
+        np.testing.assert_array_equal(results[1]["state"][name], results[0]["state"][name])
+        np.testing.assert_allclose(results[0]["state"][name], value, rtol=1e-9, atol=1e-12)

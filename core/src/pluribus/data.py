@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 
 import numpy as np
 
@@ -10,7 +10,7 @@ from . import distributed as dist
 
 
 class DistributedSampler:
-    """Indices ``0..n-1`` for one rank (torch's ``DistributedSampler``).
+    """Indices ``0..len(dataset)-1`` for one rank (torch's ``DistributedSampler``).
 
     Every rank shuffles with the same seed and epoch, then takes every ``num_replicas``-th index
     starting at its rank, so the ranks' shares are disjoint and together cover the data. Without
@@ -21,13 +21,25 @@ class DistributedSampler:
 
     def __init__(
         self,
-        num_samples: int,
+        dataset: Sized | int,
         num_replicas: int | None = None,
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
     ):
+        """``dataset``: anything with ``len()`` (as in torch), or the number of samples."""
+        if isinstance(dataset, (int, np.integer)) and not isinstance(dataset, bool):
+            num_samples = int(dataset)
+        elif hasattr(dataset, "__len__"):
+            num_samples = len(dataset)
+        else:
+            raise TypeError(
+                "DistributedSampler needs a dataset with len() or a number of samples, got "
+                f"{type(dataset).__name__}"
+            )
+        if num_samples < 0:
+            raise ValueError(f"DistributedSampler got a negative number of samples: {num_samples}")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_initialized() else 1
         if rank is None:

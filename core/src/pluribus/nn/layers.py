@@ -7,6 +7,7 @@ weights are ``(out_features, in_features)``, batch dimensions come first.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -45,22 +46,35 @@ class Linear(Module):
         self._input: Any = None
 
     def forward(self, x: Any) -> Any:
-        self._input = x
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self!r} expects inputs whose last dimension is {self.in_features}, got shape "
+                f"{tuple(x.shape)}"
+            )
+        self.save_for_backward(input=x)
         y = x @ self.weight.data.T
         if self.bias is not None:
             y += self.bias.data
         return y
 
     def backward(self, grad_output: Any) -> Any:
-        x = self._input.reshape(-1, self.in_features)
+        grad_input = self.backward_input(grad_output)
+        self.backward_weight()
+        return grad_input
+
+    def backward_input(self, grad_output: Any) -> Any:
+        x = self.saved("input")
         g = grad_output.reshape(-1, self.out_features)
-        grad_input = (g @ self.weight.data).reshape(self._input.shape)
+        self.save_for_backward(grad_output=g)
+        return (g @ self.weight.data).reshape(x.shape)
+
+    def backward_weight(self) -> None:
+        x, g = self.saved("input", "grad_output")
         # bias first: backward visits parameters in reverse definition order, as DDP buckets do
         if self.bias is not None:
             self.bias.accumulate_grad(g.sum(axis=0))
-        self.weight.accumulate_grad(g.T @ x)
-        self._input = None
-        return grad_input
+        self.weight.accumulate_grad(g.T @ x.reshape(-1, self.in_features))
+        self.release_saved(recurse=False)
 
     def __repr__(self) -> str:
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias is not None})"
@@ -68,37 +82,76 @@ class Linear(Module):
 
 class ReLU(Module):
     def forward(self, x: Any) -> Any:
-        self._mask = x > 0
-        return x * self._mask
+        mask = x > 0
+        self.save_for_backward(mask=mask)
+        return x * mask
 
     def backward(self, grad_output: Any) -> Any:
-        return grad_output * self._mask
+        mask = self.saved("mask")
+        self.release_saved(recurse=False)
+        return grad_output * mask
 
 
 class Tanh(Module):
     def forward(self, x: Any) -> Any:
-        self._out = array_namespace(x).tanh(x)
-        return self._out
+        out = array_namespace(x).tanh(x)
+        self.save_for_backward(output=out)
+        return out
 
     def backward(self, grad_output: Any) -> Any:
-        return grad_output * (1 - self._out * self._out)
+        out = self.saved("output")
+        self.release_saved(recurse=False)
+        return grad_output * (1 - out * out)
+
+
+def erf(x: Any) -> Any:
+    """The error function elementwise, on numpy (scipy's when installed) or cupy arrays."""
+    if array_namespace(x) is not np:
+        import cupyx.scipy.special
+
+        return cupyx.scipy.special.erf(x)
+    try:
+        from scipy.special import erf as scipy_erf
+    except ImportError:  # exact but slow: one Python call per element
+        return np.vectorize(math.erf, otypes=[x.dtype])(x)
+    return scipy_erf(x)
 
 
 class GELU(Module):
-    """GELU with the tanh approximation (torch's ``approximate="tanh"``): numpy has no erf."""
+    """``x * Phi(x)``: exact (``approximate="none"``, torch's default, via erf) or with the
+    tanh approximation (``approximate="tanh"``, GPT-2's choice and the faster one on numpy)."""
 
     _C = math.sqrt(2.0 / math.pi)
 
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
     def forward(self, x: Any) -> Any:
         xp = array_namespace(x)
-        self._x = x
-        self._t = xp.tanh(self._C * (x + 0.044715 * x**3))
-        return 0.5 * x * (1 + self._t)
+        if self.approximate == "tanh":
+            t = xp.tanh(x * (self._C + (self._C * 0.044715) * (x * x)))  # no pow: 10x faster
+            self.save_for_backward(input=x, tanh=t)
+            return 0.5 * x * (1 + t)
+        cdf = 0.5 * (1 + erf(x * (1 / math.sqrt(2.0))))
+        self.save_for_backward(input=x, cdf=cdf)
+        return x * cdf
 
     def backward(self, grad_output: Any) -> Any:
-        x, t = self._x, self._t
-        dt = (1 - t * t) * self._C * (1 + 3 * 0.044715 * x * x)
-        return grad_output * (0.5 * (1 + t) + 0.5 * x * dt)
+        if self.approximate == "tanh":
+            x, t = self.saved("input", "tanh")
+            self.release_saved(recurse=False)
+            dt = (1 - t * t) * self._C * (1 + 3 * 0.044715 * x * x)
+            return grad_output * (0.5 * (1 + t) + 0.5 * x * dt)
+        x, cdf = self.saved("input", "cdf")
+        self.release_saved(recurse=False)
+        pdf = array_namespace(x).exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+        return grad_output * (cdf + x * pdf)
+
+    def __repr__(self) -> str:
+        return f"GELU(approximate={self.approximate!r})"
 
 
 class Dropout(Module):
@@ -113,18 +166,38 @@ class Dropout(Module):
 
     def forward(self, x: Any) -> Any:
         if not self.training or self.p == 0:
-            self._mask = None
+            self.save_for_backward(mask=None)
             return x
         xp = array_namespace(x)
         rng = self._rngs.get(xp)
         if rng is None:
             rng = self._rngs[xp] = xp.random.default_rng(self.seed)
         keep = rng.random(x.shape) >= self.p
-        self._mask = keep.astype(x.dtype) / (1 - self.p)
-        return x * self._mask
+        mask = keep.astype(x.dtype) / (1 - self.p)
+        self.save_for_backward(mask=mask)
+        return x * mask
 
     def backward(self, grad_output: Any) -> Any:
-        return grad_output if self._mask is None else grad_output * self._mask
+        mask = self.saved("mask")
+        self.release_saved(recurse=False)
+        return grad_output if mask is None else grad_output * mask
+
+    def get_rng_state(self) -> Any:
+        """A copy of the random state, so a recomputed forward draws the same mask."""
+        try:
+            return {xp: copy.deepcopy(rng) for xp, rng in self._rngs.items()}
+        except Exception as error:  # a generator that cannot be copied
+            raise RuntimeError(
+                f"Dropout cannot save its random state ({type(error).__name__}: {error}), so a "
+                "recomputed forward would draw different masks; checkpoint units without "
+                "dropout, or set its p to 0"
+            ) from error
+
+    def set_rng_state(self, state: Any) -> None:
+        self._rngs = {xp: copy.deepcopy(rng) for xp, rng in state.items()}
+
+    def __repr__(self) -> str:
+        return f"Dropout(p={self.p})"
 
 
 class BatchNorm1d(Module):
@@ -183,6 +256,13 @@ class BatchNorm1d(Module):
         use_batch = self.training or not self.track_running_stats
         if use_batch:
             mean, var, count = self._reduce_stats(x, axes)
+            if self.training and count <= 1:
+                raise ValueError(
+                    f"{type(self).__name__} in training needs more than one value per channel "
+                    f"to compute a variance, got input shape {tuple(x.shape)} (the whole group's "
+                    "batch for SyncBatchNorm): use a larger batch, or eval() to use the running "
+                    "statistics"
+                )
             if self.training and self.track_running_stats:
                 m = self.momentum
                 unbiased = var * (count / max(count - 1, 1))
@@ -194,7 +274,13 @@ class BatchNorm1d(Module):
         xp = array_namespace(x)
         invstd = 1.0 / xp.sqrt(var + self.eps)
         xhat = (x - self._channel(mean, x.ndim)) * self._channel(invstd, x.ndim)
-        self._cache = (xhat, invstd, axes, use_batch, count if use_batch else None)
+        self.save_for_backward(
+            xhat=xhat,
+            invstd=invstd,
+            axes=axes,
+            use_batch=use_batch,
+            count=count if use_batch else 0,
+        )
         if self.affine:
             return xhat * self._channel(self.weight.data, x.ndim) + self._channel(
                 self.bias.data, x.ndim
@@ -202,14 +288,19 @@ class BatchNorm1d(Module):
         return xhat
 
     def backward(self, grad_output: Any) -> Any:
-        xhat, invstd, axes, use_batch, count = self._cache
+        grad_input = self.backward_input(grad_output)
+        self.backward_weight()
+        return grad_input
+
+    def backward_input(self, grad_output: Any) -> Any:
+        xhat, invstd, axes, use_batch, count = self.saved(
+            "xhat", "invstd", "axes", "use_batch", "count"
+        )
         ndim = grad_output.ndim
         local_dy = grad_output.sum(axis=axes)
         local_dy_xhat = (grad_output * xhat).sum(axis=axes)
+        self.save_for_backward(sum_dy=local_dy, sum_dy_xhat=local_dy_xhat)
         gamma = self.weight.data if self.affine else 1.0
-        if self.affine:
-            self.bias.accumulate_grad(local_dy)
-            self.weight.accumulate_grad(local_dy_xhat)
         scale = self._channel(gamma * invstd, ndim)
         if not use_batch:  # running statistics are constants
             return grad_output * scale
@@ -218,37 +309,82 @@ class BatchNorm1d(Module):
         mean_dy_xhat = self._channel(sum_dy_xhat / count, ndim)
         return scale * (grad_output - mean_dy - xhat * mean_dy_xhat)
 
+    def backward_weight(self) -> None:
+        if self.affine:
+            sum_dy, sum_dy_xhat = self.saved("sum_dy", "sum_dy_xhat")
+            self.bias.accumulate_grad(sum_dy)
+            self.weight.accumulate_grad(sum_dy_xhat)
+        self.release_saved(recurse=False)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.num_features}, eps={self.eps})"
 
 
 class LayerNorm(Module):
-    """Normalises over the last dimension, with a learned per-feature scale and shift."""
+    """Normalises over the trailing ``normalized_shape`` dimensions (an int means the last one),
+    with a learned elementwise scale and shift of that shape, as torch does."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype: Any = np.float32):
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        dtype: Any = np.float32,
+    ):
         super().__init__()
-        self.normalized_shape, self.eps = normalized_shape, eps
-        self.weight = Parameter(np.ones(normalized_shape, dtype=dtype))
-        self.bias = Parameter(np.zeros(normalized_shape, dtype=dtype))
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape, self.eps = tuple(int(n) for n in normalized_shape), eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = Parameter(np.ones(self.normalized_shape, dtype=dtype))
+            self.bias = Parameter(np.zeros(self.normalized_shape, dtype=dtype))
+
+    def _axes(self, x: Any) -> tuple[int, ...]:
+        k = len(self.normalized_shape)
+        if tuple(x.shape[x.ndim - k :]) != self.normalized_shape or x.ndim < k:
+            raise ValueError(
+                f"{self!r} normalises over trailing dimensions {self.normalized_shape}, but the "
+                f"input has shape {tuple(x.shape)}"
+            )
+        return tuple(range(x.ndim - k, x.ndim))
 
     def forward(self, x: Any) -> Any:
         xp = array_namespace(x)
-        mean = x.mean(axis=-1, keepdims=True)
+        axes = self._axes(x)
+        mean = x.mean(axis=axes, keepdims=True)
         centered = x - mean
-        invstd = 1.0 / xp.sqrt((centered * centered).mean(axis=-1, keepdims=True) + self.eps)
-        self._xhat, self._invstd = centered * invstd, invstd
-        return self._xhat * self.weight.data + self.bias.data
+        invstd = 1.0 / xp.sqrt((centered * centered).mean(axis=axes, keepdims=True) + self.eps)
+        xhat = centered * invstd
+        self.save_for_backward(xhat=xhat, invstd=invstd)
+        if not self.elementwise_affine:
+            return xhat
+        return xhat * self.weight.data + self.bias.data
 
     def backward(self, grad_output: Any) -> Any:
-        xhat, invstd = self._xhat, self._invstd
-        n = self.normalized_shape
-        g2 = grad_output.reshape(-1, n)
-        self.bias.accumulate_grad(g2.sum(axis=0))
-        self.weight.accumulate_grad((g2 * xhat.reshape(-1, n)).sum(axis=0))
-        gx = grad_output * self.weight.data
+        grad_input = self.backward_input(grad_output)
+        self.backward_weight()
+        return grad_input
+
+    def backward_input(self, grad_output: Any) -> Any:
+        xhat, invstd = self.saved("xhat", "invstd")
+        self.save_for_backward(grad_output=grad_output)
+        axes = self._axes(grad_output)
+        gx = grad_output * self.weight.data if self.elementwise_affine else grad_output
         return invstd * (
-            gx - gx.mean(axis=-1, keepdims=True) - xhat * (gx * xhat).mean(axis=-1, keepdims=True)
+            gx
+            - gx.mean(axis=axes, keepdims=True)
+            - xhat * (gx * xhat).mean(axis=axes, keepdims=True)
         )
+
+    def backward_weight(self) -> None:
+        if self.elementwise_affine:
+            xhat, grad_output = self.saved("xhat", "grad_output")
+            shape = (-1, *self.normalized_shape)
+            g = grad_output.reshape(shape)
+            self.bias.accumulate_grad(g.sum(axis=0))
+            self.weight.accumulate_grad((g * xhat.reshape(shape)).sum(axis=0))
+        self.release_saved(recurse=False)
 
     def __repr__(self) -> str:
         return f"LayerNorm({self.normalized_shape}, eps={self.eps})"
@@ -276,17 +412,32 @@ class Embedding(Module):
         )
 
     def forward(self, indices: Any) -> Any:
-        self._indices = indices
+        if indices.dtype.kind not in "iu":
+            raise TypeError(f"{self!r} looks up integer indices, got dtype {indices.dtype}")
+        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"{self!r} got indices in [{int(indices.min())}, {int(indices.max())}], outside "
+                f"0..{self.num_embeddings - 1}"
+            )
+        self.save_for_backward(indices=indices)
         return self.weight.data[indices]
 
     def backward(self, grad_output: Any) -> None:
+        self.backward_input(grad_output)
+        self.backward_weight()
+
+    def backward_input(self, grad_output: Any) -> None:
+        """No gradient flows to integer indices: only keep ``grad_output`` for the weight."""
+        self.save_for_backward(grad_output=grad_output)
+        return None
+
+    def backward_weight(self) -> None:
+        indices, grad_output = self.saved("indices", "grad_output")
         xp = array_namespace(grad_output)
         grad = xp.zeros_like(self.weight.data)
-        _scatter_add(
-            xp, grad, self._indices.reshape(-1), grad_output.reshape(-1, self.embedding_dim)
-        )
+        _scatter_add(xp, grad, indices.reshape(-1), grad_output.reshape(-1, self.embedding_dim))
         self.weight.accumulate_grad(grad)
-        return None
+        self.release_saved(recurse=False)
 
     def __repr__(self) -> str:
         return f"Embedding({self.num_embeddings}, {self.embedding_dim})"

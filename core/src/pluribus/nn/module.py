@@ -10,12 +10,17 @@ communication start while the rest of backward still runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 GradHook = Callable[["Parameter"], None]
+
+#: The methods whose calls run the module hooks, wherever they are called from (a parent's
+#: ``forward`` calling ``child.forward(x)`` runs the child's hooks too).
+_FORWARD, _BACKWARDS = "forward", ("backward", "backward_input")
 
 
 def array_namespace(array: Any) -> Any:
@@ -93,6 +98,22 @@ class Module:
         object.__setattr__(self, "_buffers", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "training", True)
+        #: arrays kept by ``forward`` for ``backward`` (see :meth:`save_for_backward`)
+        object.__setattr__(self, "_saved", {})
+        object.__setattr__(self, "_forward_pre_hooks", [])
+        object.__setattr__(self, "_forward_hooks", [])
+        object.__setattr__(self, "_backward_pre_hooks", [])
+        object.__setattr__(self, "_backward_hooks", [])
+        object.__setattr__(self, "_hooks_running", set())
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Wrap the forward and backward a subclass defines so that they run the hooks."""
+        super().__init_subclass__(**kwargs)
+        if _FORWARD in cls.__dict__:
+            setattr(cls, _FORWARD, _forward_with_hooks(cls.__dict__[_FORWARD]))
+        for name in _BACKWARDS:
+            if name in cls.__dict__:
+                setattr(cls, name, _backward_with_hooks(cls.__dict__[name]))
 
     def __setattr__(self, name: str, value: Any) -> None:
         # re-assigning a name keeps its place, so a replaced layer stays where it was
@@ -121,6 +142,80 @@ class Module:
 
     def backward(self, grad_output: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not implement backward")
+
+    # -- split backward -----------------------------------------------------------------------
+
+    def backward_input(self, grad_output: Any) -> Any:
+        """The input gradient only; the parameter gradients wait for :meth:`backward_weight`.
+
+        Pipeline schedules (zero bubble) run this first, to unblock the previous stage, and the
+        weight part later. ``backward_input`` then ``backward_weight`` leaves exactly the same
+        gradients as ``backward``. Modules without parameters need not implement it.
+        """
+        if any(True for _ in self.named_parameters()):
+            raise NotImplementedError(
+                f"{type(self).__name__} has parameters but no split backward: implement "
+                "backward_input and backward_weight (or call backward)"
+            )
+        return self.backward(grad_output)
+
+    def backward_weight(self) -> None:
+        """Accumulate the parameter gradients deferred by the last :meth:`backward_input`."""
+        if any(True for _ in self.named_parameters()):
+            raise NotImplementedError(
+                f"{type(self).__name__} has parameters but no split backward: implement "
+                "backward_input and backward_weight (or call backward)"
+            )
+
+    # -- saved activations --------------------------------------------------------------------
+
+    def save_for_backward(self, **arrays: Any) -> None:
+        """Keep arrays from ``forward`` for ``backward``; memory accounting and activation
+        checkpointing find them here."""
+        self._saved.update(arrays)
+
+    def saved(self, *names: str) -> Any:
+        """The arrays :meth:`save_for_backward` kept (one, or a tuple for several names)."""
+        try:
+            values = tuple(self._saved[name] for name in names)
+        except KeyError as missing:
+            raise RuntimeError(
+                f"{type(self).__name__}.backward found no saved {missing.args[0]!r}: run forward "
+                "before each backward (a second backward needs a second forward)"
+            ) from None
+        return values[0] if len(values) == 1 else values
+
+    def release_saved(self, recurse: bool = True) -> None:
+        """Drop what forward kept for backward (in this module and, by default, below it)."""
+        modules = [m for _, m in self.named_modules()] if recurse else [self]
+        for module in modules:
+            module._saved.clear()
+
+    # -- module hooks (torch's names and signatures) ------------------------------------------
+
+    def register_forward_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, args)`` before forward; may return new args (a tuple, or one value)."""
+        self._forward_pre_hooks.append(hook)
+        return RemovableHandle(self._forward_pre_hooks, hook)
+
+    def register_forward_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, args, output)`` after forward; may return a new output."""
+        self._forward_hooks.append(hook)
+        return RemovableHandle(self._forward_hooks, hook)
+
+    def register_full_backward_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, grad_output)`` before backward (``grad_output`` is a 1-tuple, as in
+        torch); may return a new tuple. Runs for ``backward`` and ``backward_input``."""
+        self._backward_pre_hooks.append(hook)
+        return RemovableHandle(self._backward_pre_hooks, hook)
+
+    def register_full_backward_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, grad_input, grad_output)`` after backward (1-tuples); may return a new
+        ``grad_input`` tuple. With split backward it runs after ``backward_input``, before the
+        parameter gradients exist (their arrival is announced per parameter by
+        :meth:`Parameter.register_post_accumulate_grad_hook`)."""
+        self._backward_hooks.append(hook)
+        return RemovableHandle(self._backward_hooks, hook)
 
     # -- traversal ----------------------------------------------------------------------------
 
@@ -227,7 +322,93 @@ class Module:
         return "\n".join(lines) if self._modules else f"{type(self).__name__}()"
 
 
-class Sequential(Module):
+def _forward_with_hooks(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def run(self: Module, *args: Any, **kwargs: Any) -> Any:
+        running = self._hooks_running
+        if (not self._forward_pre_hooks and not self._forward_hooks) or _FORWARD in running:
+            return forward(self, *args, **kwargs)
+        running.add(_FORWARD)  # a subclass calling super().forward runs the hooks once
+        try:
+            for hook in list(self._forward_pre_hooks):
+                result = hook(self, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+            output = forward(self, *args, **kwargs)
+            for hook in list(self._forward_hooks):
+                result = hook(self, args, output)
+                if result is not None:
+                    output = result
+            return output
+        finally:
+            running.discard(_FORWARD)
+
+    return run
+
+
+def _backward_with_hooks(backward: Callable) -> Callable:
+    @functools.wraps(backward)
+    def run(self: Module, *grad_output: Any) -> Any:
+        running = self._hooks_running
+        if (not self._backward_pre_hooks and not self._backward_hooks) or "backward" in running:
+            return backward(self, *grad_output)
+        running.add("backward")  # backward built on backward_input runs the hooks once
+        try:
+            grads_out = grad_output  # empty for a loss's backward()
+            for hook in list(self._backward_pre_hooks):
+                result = hook(self, grads_out)
+                if result is not None:
+                    grads_out = result if isinstance(result, tuple) else (result,)
+            grads_in = (backward(self, *grads_out),)
+            for hook in list(self._backward_hooks):
+                result = hook(self, grads_in, grads_out)
+                if result is not None:
+                    grads_in = result if isinstance(result, tuple) else (result,)
+            return grads_in[0]
+        finally:
+            running.discard("backward")
+
+    return run
+
+
+class Composite(Module):
+    """A module made of children: ``backward``, ``backward_input`` and ``backward_weight`` all
+    come from one :meth:`_backward` that says how the gradient flows through the children.
+
+    ``_backward(grad_output, step)`` calls ``step(child, grad)`` for each child it goes back
+    through (and returns the input gradient). ``step`` is the child's whole backward in plain
+    mode, its ``backward_input`` in split mode; ``backward_weight`` then visits the same
+    children in the same order, so both leave the same gradients, accumulated in the same order.
+    """
+
+    def _backward(self, grad_output: Any, step: Callable[[Module, Any], Any]) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _backward")
+
+    def backward(self, grad_output: Any) -> Any:
+        return self._backward(grad_output, _plain_step)
+
+    def backward_input(self, grad_output: Any) -> Any:
+        visited: list[Module] = []
+
+        def step(child: Module, grad: Any) -> Any:
+            visited.append(child)
+            return child.backward_input(grad)
+
+        grad_input = self._backward(grad_output, step)
+        self._saved["weight_order"] = visited
+        return grad_input
+
+    def backward_weight(self) -> None:
+        for child in self.saved("weight_order"):
+            child.backward_weight()
+        self._saved.pop("weight_order")
+
+
+def _plain_step(child: Module, grad: Any) -> Any:
+    return child.backward(grad)
+
+
+class Sequential(Composite):
     """Modules applied one after another; backward runs them in reverse."""
 
     def __init__(self, *layers: Module):
@@ -249,7 +430,7 @@ class Sequential(Module):
             x = layer.forward(x)
         return x
 
-    def backward(self, grad_output: Any) -> Any:
+    def _backward(self, grad_output: Any, step: Callable[[Module, Any], Any]) -> Any:
         for layer in reversed(list(self._modules.values())):
-            grad_output = layer.backward(grad_output)
+            grad_output = step(layer, grad_output)
         return grad_output

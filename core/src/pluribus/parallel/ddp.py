@@ -81,9 +81,12 @@ class DistributedDataParallel(Module):
     optimizer takes ``ddp.parameters()`` (the module's own parameters). ``state_dict`` is the
     module's, without a ``module.`` prefix, so checkpoints load with or without DDP.
 
+    ``group`` or ``process_group`` (torch's name; either works): the ranks that average.
     ``bucket_cap_mb``: bytes per bucket (smaller buckets start communicating earlier, larger ones
     have less per-message overhead). ``find_unused_parameters``: parameters that got no gradient
-    in a step are reduced as zeros instead of raising. ``comm_hook``: ``"fp16"``, ``"bf16"``,
+    on some ranks in a step are reduced as zeros instead of raising; a parameter no rank used
+    keeps ``.grad`` as it was (``None`` after ``zero_grad``), as in torch and in one process,
+    so weight decay and momentum leave it alone. ``comm_hook``: ``"fp16"``, ``"bf16"``,
     ``"allreduce"`` or a ``hook(state, bucket)`` (see :mod:`pluribus.parallel.comm_hooks`).
     ``broadcast_buffers``: copy rank 0's buffers (running statistics) at every training forward.
     ``overlap=False`` starts the first all-reduce only after backward (to measure the overlap).
@@ -98,8 +101,16 @@ class DistributedDataParallel(Module):
         comm_hook: CommHook | str | None = None,
         broadcast_buffers: bool = True,
         overlap: bool = True,
+        process_group: Any = None,
     ):
         super().__init__()
+        if process_group is not None:
+            if group is not None and group is not process_group:
+                raise ValueError(
+                    "DistributedDataParallel got both group= and process_group= with different "
+                    "groups; they are the same argument (process_group is torch's name): pass one"
+                )
+            group = process_group
         self.module = module
         self.process_group = group
         self.find_unused_parameters = find_unused_parameters
@@ -273,8 +284,13 @@ class DistributedDataParallel(Module):
                 self._pending[bucket.index] -= 1
         self._launch_ready_buckets()
         self._active = False
+        unused_everywhere = (
+            self._unused_on_every_rank(unused) if self.find_unused_parameters else []
+        )
         for bucket, work in zip(self.buckets, self._works, strict=True):
             bucket.unpack(work.result())
+        for param in unused_everywhere:
+            param.grad = None
         self._expected = {id(p): max(1, self._calls.get(id(p), 0)) for _, p in self._named}
         if self._late:
             raise RuntimeError(
@@ -290,6 +306,16 @@ class DistributedDataParallel(Module):
                 f"{unused} got no gradient in this backward; they were reduced as zeros so no "
                 "rank hangs. Pass find_unused_parameters=True if that is intended"
             )
+
+    def _unused_on_every_rank(self, unused_here: list[str]) -> list[Parameter]:
+        """The parameters no rank used: one all-reduce of a used-here mask, issued after every
+        bucket so the collectives stay in the same order on all ranks."""
+        xp = array_namespace(self._named[0][1].data)
+        unused_here = set(unused_here)
+        used = xp.asarray([0 if n in unused_here else 1 for n, _ in self._named], dtype=np.int32)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group)
+        used_anywhere = used.tolist()
+        return [p for (_, p), hit in zip(self._named, used_anywhere, strict=True) if not hit]
 
     def remove_hooks(self) -> None:
         """Detach DDP from the module's parameters (the module works on its own again)."""

@@ -1,0 +1,334 @@
+"""Train a character-level GPT on the Python standard library's own source code.
+
+    pluribus-run --nproc-per-node 2 examples/train_gpt.py
+
+The text is every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` (no download): files
+whose path hashes to 0 mod 10 are held out, the rest are for training. A "dataset" is a fixed
+set of windows drawn from the training text; each epoch the ranks split it with
+``DistributedSampler``. Every epoch prints the training loss, the held-out loss (next to the
+loss of a unigram model, the baseline to beat) and tokens/s; at the end rank 0 samples some
+code. Rank 0 saves a checkpoint after every epoch; ``--resume`` or a restart by
+``pluribus-run --max-restarts`` continues from it.
+
+``--parallel`` picks how the model is spread over the ranks (``ddp`` today; the later layers
+join this flag), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+
+# Before numpy loads OpenBLAS: one BLAS pool per rank, sized to its share of the cores (as
+# torchrun does); oversubscribed BLAS threads spin against each other.
+_RANKS_HERE = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+if _RANKS_HERE > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _RANKS_HERE)))
+
+import numpy as np  # noqa: E402
+import pluribus  # noqa: E402
+from pluribus import nn  # noqa: E402
+from pluribus.data import DistributedSampler  # noqa: E402
+from pluribus.parallel import DistributedDataParallel  # noqa: E402
+
+VOCAB = 128  # ASCII; any other character reads as "?"
+PARALLEL = ["ddp", "none"]  # fsdp, pipeline, tensor and their combinations join here
+HELD_OUT_SEED = 12345  # the held-out windows never depend on --seed
+
+
+def default_checkpoint_dir(name: str) -> Path:
+    """``$XDG_CACHE_HOME/pluribus/checkpoints/<name>`` (``~/.cache`` without it)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache).resolve() / "pluribus" / "checkpoints" / name
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="gloo", help="collective backend (default: gloo)")
+    parser.add_argument("--parallel", choices=PARALLEL, default="ddp")
+    parser.add_argument("--preset", choices=sorted(nn.PRESETS), default="small", help="model size")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of the whole schedule")
+    parser.add_argument(
+        "--epochs-this-run",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N epochs (a time-limited job); --resume continues the same schedule",
+    )
+    parser.add_argument(
+        "--train-windows", type=int, default=8192, help="windows in the training set"
+    )
+    parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows")
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per rank per step")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="recompute each block's activations in backward (less memory, more compute)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sample-chars", type=int, default=300, help="characters to sample")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where the checkpoint is saved and resumed from ('' turns it off; default: "
+        "the user's cache folder, pluribus/checkpoints/gpt-<preset>)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint (a job restarted by pluribus-run --max-restarts "
+        "always does); without it a run starts afresh",
+    )
+    args = parser.parse_args(argv)
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = str(default_checkpoint_dir(f"gpt-{args.preset}"))
+    return args
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def stdlib_sources() -> tuple[str, str]:
+    """The standard library's ``.py`` files as (training text, held-out text), split by file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    train, held_out = [], []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if skip & set(path.relative_to(root).parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        (held_out if zlib.crc32(relative.encode()) % 10 == 0 else train).append(text)
+    if not train or not held_out:
+        raise RuntimeError(f"found no Python sources under {root}; is the standard library there?")
+    return "\n".join(train), "\n".join(held_out)
+
+
+def encode(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8)
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) for t in tokens).decode("ascii", errors="replace")
+
+
+def windows(tokens: np.ndarray, count: int, length: int, seed: int) -> np.ndarray:
+    """``count`` windows of ``length`` tokens at random offsets (the same on every rank)."""
+    starts = np.random.default_rng(seed).integers(0, tokens.size - length, count)
+    return tokens[starts[:, None] + np.arange(length)].astype(np.int64)
+
+
+def unigram_loss(train: np.ndarray, targets: np.ndarray) -> float:
+    """Cross-entropy of ``targets`` under the training text's character frequencies."""
+    counts = np.bincount(train, minlength=VOCAB).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    return float(-log_p[targets.reshape(-1)].mean())
+
+
+# -- model -----------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace) -> nn.GPT:
+    config = nn.GPTConfig(vocab_size=VOCAB, dropout=args.dropout, **nn.PRESETS[args.preset])
+    model = nn.GPT(config, rng=args.seed)
+    if args.checkpoint_activations:
+        model.blocks = nn.Sequential(*[nn.Checkpoint(block) for block in model.blocks])
+    model.to(device=args.device, dtype=np.dtype(args.dtype))
+    return model
+
+
+def make_optimizer(model: nn.Module, args: argparse.Namespace) -> nn.AdamW:
+    """Weight decay on matrices only (not on biases, norms or position embeddings)."""
+    decay = [p for n, p in model.named_parameters() if p.data.ndim == 2 and "wpe" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.data.ndim == 2 and "wpe" not in n)]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
+    return nn.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
+def warmup_then_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, model, opt, scheduler, epoch: int) -> None:
+    """Write atomically (temp file, then rename) so a crash never leaves half a checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"model/{k}": _host(v) for k, v in model.state_dict().items()}
+    arrays.update({f"optim/{k}": _host(v) for k, v in opt.state_dict().items()})
+    arrays["scheduler/last_epoch"] = np.array(scheduler.last_epoch)
+    arrays["epoch"] = np.array(epoch)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def restore_checkpoint(path: Path | None, model, opt, scheduler) -> int:
+    """Load the checkpoint rank 0 sees into every rank; return the epoch to start from."""
+    state = None
+    if pluribus.get_rank() == 0 and path is not None and path.exists():
+        with np.load(path) as saved:
+            state = {k: saved[k] for k in saved.files}
+    state = pluribus.broadcast_object(state, src=0)
+    if state is None:
+        return 0
+    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model/")})
+    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim/")})
+    scheduler.last_epoch = int(state["scheduler/last_epoch"])
+    return int(state["epoch"])
+
+
+def _host(array):
+    return array.get() if hasattr(array, "get") else array
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+def evaluate(model: nn.GPT, data: np.ndarray, batch_size: int, xp) -> float:
+    """Mean loss over all held-out windows: each rank scores its share, sums are added."""
+    rank, world = pluribus.get_rank(), pluribus.get_world_size()
+    loss_fn = nn.CrossEntropyLoss()
+    model.eval()
+    total, count = 0.0, 0
+    mine = data[rank::world]
+    for start in range(0, len(mine), batch_size):
+        chunk = xp.asarray(mine[start : start + batch_size])
+        logits = model.forward(chunk[:, :-1])
+        targets = chunk[:, 1:].reshape(-1)
+        total += float(loss_fn.forward(logits.reshape(-1, VOCAB), targets)) * targets.size
+        count += targets.size
+    model.release_saved()
+    model.train()
+    sums = np.array([total, count], dtype=np.float64)
+    pluribus.all_reduce(sums)
+    return float(sums[0] / sums[1])
+
+
+def train(args: argparse.Namespace) -> dict:
+    """The training loop; needs an initialised process group (tests run it on thread ranks)."""
+    rank, world = pluribus.get_rank(), pluribus.get_world_size()
+    if args.parallel == "none" and world > 1:
+        raise SystemExit("--parallel none trains one process; run it without pluribus-run")
+    xp = np
+    if args.device == "cuda":
+        import cupy as xp
+    model = build_model(args)
+    block = model.config.block_size
+    train_text, held_out_text = stdlib_sources()
+    train_tokens, held_tokens = encode(train_text), encode(held_out_text)
+    train_set = windows(train_tokens, args.train_windows, block + 1, seed=args.seed)
+    held_out = windows(held_tokens, args.eval_windows, block + 1, seed=HELD_OUT_SEED)
+    baseline = unigram_loss(train_tokens, held_out[:, 1:])
+
+    runner = DistributedDataParallel(model) if args.parallel == "ddp" else model
+    opt = make_optimizer(model, args)
+    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed)
+    steps_per_epoch = len(sampler) // args.batch_size
+    scheduler = nn.LambdaLR(
+        opt, warmup_then_cosine(args.warmup_steps, args.epochs * steps_per_epoch)
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    ckpt = Path(args.checkpoint_dir) / "gpt.npz" if args.checkpoint_dir else None
+    restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
+    start_epoch = 0
+    if args.resume or restarts > 0:
+        start_epoch = restore_checkpoint(ckpt, model, opt, scheduler)  # lrs come with opt
+    if rank == 0:
+        print(
+            f"{model!r} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
+            f"{args.parallel}; {train_tokens.size:,} training and {held_tokens.size:,} held-out "
+            f"characters of {sysconfig.get_paths()['stdlib']}; unigram baseline "
+            f"{baseline:.3f} nats/char",
+            flush=True,
+        )
+        if start_epoch:
+            print(f"resuming from {ckpt} at epoch {start_epoch} (restart {restarts})", flush=True)
+
+    history: dict = {"losses": [], "held_out": [], "tokens_per_s": []}
+    tokens_per_step = world * args.batch_size * block
+    stop = args.epochs if args.epochs_this_run is None else start_epoch + args.epochs_this_run
+    for epoch in range(start_epoch, min(stop, args.epochs)):
+        sampler.set_epoch(epoch)
+        started, epoch_losses = time.perf_counter(), []
+        for step, indices in enumerate(sampler.batches(args.batch_size, drop_last=True)):
+            batch = xp.asarray(train_set[indices])
+            logits = runner.forward(batch[:, :-1])
+            loss = loss_fn.forward(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            if epoch == start_epoch and step == 0 and rank == 0:
+                report = nn.memory_report([model, loss_fn], opt)
+                print(f"memory at the first step, before backward: {report}", flush=True)
+            runner.backward(loss_fn.backward().reshape(logits.shape))
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+            epoch_losses.append(float(loss))
+        elapsed = time.perf_counter() - started
+        mean_loss = np.array([np.mean(epoch_losses)], dtype=np.float64)
+        pluribus.all_reduce(mean_loss, op=pluribus.ReduceOp.AVG)
+        held = evaluate(model, held_out, args.batch_size, xp)
+        rate = steps_per_epoch * tokens_per_step / elapsed
+        history["losses"] += epoch_losses
+        history["held_out"].append(held)
+        history["tokens_per_s"].append(rate)
+        if rank == 0:
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: loss {mean_loss[0]:.3f}, held-out {held:.3f} "
+                f"(unigram {baseline:.3f}), {rate:,.0f} tokens/s, {elapsed:.1f}s",
+                flush=True,
+            )
+            if ckpt is not None:
+                save_checkpoint(ckpt, model, opt, scheduler, epoch + 1)
+    if not history["held_out"]:  # nothing left to train: report the restored model
+        history["held_out"].append(evaluate(model, held_out, args.batch_size, xp))
+    sample = ""
+    if rank == 0 and args.sample_chars:
+        prompt = xp.asarray(encode("def ")[None, :].astype(np.int64))
+        generated = model.generate(prompt, args.sample_chars, temperature=0.8, rng=args.seed)
+        sample = decode(_host(generated[0]))
+        print(f"--- sample (temperature 0.8) ---\n{sample}\n---", flush=True)
+    return {
+        **history,
+        "baseline": baseline,
+        "start_epoch": start_epoch,
+        "sample": sample,
+        "state": {k: _host(v) for k, v in model.state_dict().items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    pluribus.init_process_group(backend=args.backend)
+    try:
+        train(args)
+    finally:
+        pluribus.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

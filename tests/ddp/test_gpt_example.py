@@ -1,0 +1,64 @@
+"""The GPT example: it learns on the standard library's text, and resuming equals not stopping."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pluribus.testing import run_ranks
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
+train_gpt = importlib.util.module_from_spec(spec)
+sys.modules["train_gpt"] = train_gpt
+spec.loader.exec_module(train_gpt)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    """Thread ranks share this process's BLAS pool; one thread keeps them from fighting."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(limits=1):
+        yield
+
+
+def _args(folder, *extra):
+    small = ["--preset", "tiny", "--train-windows", 512, "--eval-windows", 32]
+    small += ["--batch-size", 8, "--lr", 1e-2, "--warmup-steps", 5, "--sample-chars", 40]
+    return train_gpt.parse_args(["--checkpoint-dir", str(folder), *map(str, small + list(extra))])
+
+
+def test_gpt_example_beats_the_unigram_baseline_on_two_thread_ranks(tmp_path):
+    results = run_ranks(train_gpt.train, 2, "threads", args=(_args(tmp_path, "--epochs", 2),))
+    first, second = results
+    assert first["losses"] != second["losses"]  # each rank trained on its own share
+    assert first["held_out"] == second["held_out"]
+    assert first["held_out"][-1] < first["baseline"] - 0.25  # 64 steps of a tiny model
+    assert first["sample"].startswith("def ") and len(first["sample"]) == 44
+    assert (tmp_path / "gpt.npz").exists()
+    for name, value in first["state"].items():
+        np.testing.assert_array_equal(second["state"][name], value, err_msg=name)
+
+
+def test_resuming_the_gpt_example_gives_the_same_model_as_an_unbroken_run(tmp_path):
+    first_part = _args(tmp_path / "a", "--epochs", 2, "--epochs-this-run", 1)
+    run_ranks(train_gpt.train, 2, "threads", args=(first_part,))
+    resumed = run_ranks(
+        train_gpt.train, 2, "threads", args=(_args(tmp_path / "a", "--epochs", 2, "--resume"),)
+    )
+    assert resumed[0]["start_epoch"] == 1
+    unbroken = run_ranks(
+        train_gpt.train, 2, "threads", args=(_args(tmp_path / "b", "--epochs", 2),)
+    )
+    assert unbroken[0]["losses"][-len(resumed[0]["losses"]) :] == resumed[0]["losses"]
+    for name, value in unbroken[0]["state"].items():
+        np.testing.assert_array_equal(resumed[0]["state"][name], value, err_msg=name)
+
+
+def test_the_default_checkpoint_folder_is_the_users_cache(monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
+    args = train_gpt.parse_args(["--preset", "10M"])
+    assert Path(args.checkpoint_dir) == Path("/somewhere/cache/pluribus/checkpoints/gpt-10M")
