@@ -114,6 +114,12 @@ if wanted tests; then
         core/tests plugins/gloo/tests plugins/ucc/tests plugins/mpi/tests tests
     rc=$?
     no_unexpected_skips "$junit" || [ "$rc" -ne 0 ] || rc=3
+    echo "-- pluribus.nn against torch (forward and gradients), where torch is installed"
+    "$PY" -m pytest -p no:cacheprovider -q -rs --junitxml="$junit" \
+        core/tests/test_nn_torch_parity.py || [ "$rc" -ne 0 ] || rc=5
+    if "$PY" -c "import torch" 2>/dev/null; then
+        no_unexpected_skips "$junit" || [ "$rc" -ne 0 ] || rc=3
+    fi
     echo "-- the gpu-marked mpi tests, under mpiexec -n 2"
     timeout -k 10 300 "$(command -v mpiexec)" -n 2 env PLURIBUS_JUNIT="$junit" "$PY" \
         plugins/mpi/tests/pytest_rank.py -q -p no:cacheprovider -m "gpu and mpi" -rs \

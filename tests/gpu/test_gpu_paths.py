@@ -153,6 +153,69 @@ def train_ddp_on_cupy() -> dict:
     return {"state": state, "losses": losses}
 
 
+GPT_VOCAB, GPT_CONTEXT, GPT_STEPS = 13, 8, 4
+
+
+def _gpt(seed: int) -> nn.GPT:
+    config = nn.GPTConfig(
+        vocab_size=GPT_VOCAB, block_size=GPT_CONTEXT, n_layer=2, n_head=2, n_embd=16
+    )
+    return nn.GPT(config, rng=seed).to(dtype=np.float64)
+
+
+def _gpt_batch(step: int, rows: int) -> np.ndarray:
+    """Windows counting up from a random token: inputs and next-token targets."""
+    starts = np.random.default_rng(500 + step).integers(0, GPT_VOCAB, (rows, 1))
+    return (starts + np.arange(GPT_CONTEXT + 1)) % GPT_VOCAB
+
+
+def _gpt_step(forward, backward, opt, batch, xp) -> float:
+    loss_fn = nn.CrossEntropyLoss()
+    batch = xp.asarray(batch)
+    logits = forward(batch[:, :-1])
+    loss = loss_fn.forward(logits.reshape(-1, GPT_VOCAB), batch[:, 1:].reshape(-1))
+    backward(loss_fn.backward().reshape(logits.shape))
+    opt.step()
+    opt.zero_grad()
+    return float(loss)
+
+
+def train_gpt_one_process_numpy(world: int) -> dict:
+    model = _gpt(seed=7)
+    opt = nn.AdamW(model.parameters(), lr=1e-2)
+    losses = [
+        _gpt_step(model.forward, model.backward, opt, _gpt_batch(step, world * PER_RANK), np)
+        for step in range(GPT_STEPS)
+    ]
+    return {"state": model.state_dict(), "losses": losses}
+
+
+def train_gpt_ddp_on_cupy() -> dict:
+    import cupy
+
+    rank, world = pb.get_rank(), pb.get_world_size()
+    ddp = DistributedDataParallel(_gpt(seed=7 + rank).to("cuda"), bucket_cap_mb=8192 / 2**20)
+    opt = nn.AdamW(ddp.parameters(), lr=1e-2)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    losses = []
+    for step in range(GPT_STEPS):
+        batch = _gpt_batch(step, world * PER_RANK)[mine]
+        local = np.array([_gpt_step(ddp.forward, ddp.backward, opt, batch, cupy)])
+        pb.all_reduce(local, pb.ReduceOp.AVG)
+        losses.append(float(local[0]))
+    state = {name: cupy.asnumpy(value) for name, value in ddp.state_dict().items()}
+    return {"state": state, "losses": losses, "buckets": len(ddp.buckets)}
+
+
+def _assert_same_training(results: list[dict], expected: dict) -> None:
+    for name, value in expected["state"].items():
+        np.testing.assert_array_equal(results[1]["state"][name], results[0]["state"][name])
+        # cuBLAS and the CPU's BLAS sum in different orders: float64 round-off, no more
+        np.testing.assert_allclose(results[0]["state"][name], value, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(results[0]["losses"], expected["losses"], rtol=1e-9)
+    assert expected["losses"][-1] < expected["losses"][0], "the model must actually learn"
+
+
 # -- tests ----------------------------------------------------------------------------------------
 
 
@@ -177,10 +240,14 @@ def test_ddp_on_cupy_over_ucc_equals_one_numpy_process_on_the_whole_batch():
     results = run_ranks(
         train_ddp_on_cupy, world, "ucc", "processes", timeout=300, backend_options=UCC_CUDA
     )
-    expected = train_one_process_numpy(world)
-    for name, value in expected["state"].items():
-        np.testing.assert_array_equal(results[1]["state"][name], results[0]["state"][name])
-        # cuBLAS and the CPU's BLAS sum in different orders: float64 round-off, no more
-        np.testing.assert_allclose(results[0]["state"][name], value, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(results[0]["losses"], expected["losses"], rtol=1e-9)
-    assert expected["losses"][-1] < expected["losses"][0], "the model must actually learn"
+    _assert_same_training(results, train_one_process_numpy(world))
+
+
+@needs("ucc")
+def test_gpt_under_ddp_on_cupy_over_ucc_equals_one_numpy_process_on_the_whole_batch():
+    world = 2
+    results = run_ranks(
+        train_gpt_ddp_on_cupy, world, "ucc", "processes", timeout=300, backend_options=UCC_CUDA
+    )
+    assert results[0]["buckets"] >= 3, "several buckets in flight"
+    _assert_same_training(results, train_gpt_one_process_numpy(world))
