@@ -13,7 +13,7 @@ import pluribus as pb
 import pytest
 from pluribus import nn
 from pluribus.parallel import DistributedDataParallel
-from pluribus.testing import run_ranks
+from pluribus.testing import RanksFailed, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -251,3 +251,16 @@ def test_gpt_under_ddp_on_cupy_over_ucc_equals_one_numpy_process_on_the_whole_ba
     )
     assert results[0]["buckets"] >= 3, "several buckets in flight"
     _assert_same_training(results, train_gpt_one_process_numpy(world))
+
+
+def _nothing() -> None:
+    return None
+
+
+@needs("nccl")
+def test_two_nccl_ranks_on_one_gpu_are_refused_naming_them_and_ucc():
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_nothing, 2, "nccl", "processes", timeout=120, backend_options={"device_id": 0})
+    assert info.value.kinds() == {0: "PluribusError", 1: "PluribusError"}, str(info.value)
+    text = str(info.value)
+    assert "ranks 0, 1 all use GPU 0" in text and "backend='cpu:gloo,cuda:ucc'" in text

@@ -314,6 +314,9 @@ class FakeRuntime:
     def device(self, device_id: int):
         return contextlib.nullcontext()
 
+    def device_identity(self, device_id: int) -> str:
+        return f"testhost 0000:{device_id:02x}:00.0"
+
     def use_device(self, device_id: int) -> None:
         self.local.device = device_id
 

@@ -277,3 +277,25 @@ def test_each_rank_binds_its_own_gpu_and_makes_it_current(monkeypatch):
         return backend.device_id, runtime.local.device, float(x[0])
 
     assert run_threads(2, rank_main) == [(0, 0, 3.0), (1, 1, 3.0)]
+
+
+def test_two_ranks_on_one_gpu_are_refused_on_every_rank_before_nccl_starts(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    runtime = FakeRuntime(devices=2)
+    store = HashStore()
+
+    def rank_main(r: int):
+        device = 1 if r == 1 else 0  # ranks 0 and 2 both pick GPU 0
+        try:
+            create_backend(_ctx(store, r, 3, device_id=device), runtime)
+        except PluribusError as exc:
+            return str(exc)
+        return "created"
+
+    messages = run_threads(3, rank_main)
+    for r, message in enumerate(messages):
+        assert message.startswith(f"rank {r}: group 'world' cannot use NCCL"), message
+        assert "ranks 0, 2 all use GPU 0 (testhost 0000:00:00.0)" in message
+        assert "ucc" in message and "device_id" in message
+    # refused before rank 0 made an NCCL id: no rank ever reached ncclCommInitRank
+    assert not PrefixStore("world/nccl", store).check([UNIQUE_ID_KEY])

@@ -34,6 +34,8 @@ from pluribus.work import Work
 from .runtime import CupyRuntime
 
 UNIQUE_ID_KEY = "nccl/unique_id"
+#: Where each rank says which GPU it chose: "<host> <PCI bus id>|<device index>".
+GPU_KEY = "nccl/gpu"
 UNIQUE_ID_BYTES = 128
 #: NCCL's own AVG reduction appeared in NCCL 2.10; before, AVG is SUM and a division.
 NATIVE_AVG_VERSION = 21000
@@ -137,6 +139,38 @@ def choose_device(ctx: BackendContext, runtime: CupyRuntime) -> int:
     return device
 
 
+def check_one_rank_per_gpu(ctx: BackendContext, identity: str, device: int) -> None:
+    """Refuse, on every rank and before NCCL starts, a group in which two ranks chose the same
+    GPU: NCCL would fail or hang there. ``identity`` names the GPU across the job (host and PCI
+    bus id, so that CUDA_VISIBLE_DEVICES cannot hide a clash)."""
+    ctx.store.set(f"{GPU_KEY}/{ctx.rank}", f"{identity}|{device}")
+    owners: dict[str, list[int]] = {}
+    devices: dict[str, str] = {}
+    for rank in range(ctx.size):
+        try:
+            value = bytes(ctx.store.get(f"{GPU_KEY}/{rank}", ctx.timeout)).decode()
+        except DistTimeoutError as exc:
+            raise DistTimeoutError(
+                f"rank {ctx.rank}: rank {rank} of group {ctx.group_name!r} did not say which GPU "
+                f"it uses within {ctx.timeout:.0f}s; check that every rank chose the nccl backend"
+            ) from exc
+        seen, _, index = value.rpartition("|")
+        owners.setdefault(seen, []).append(rank)
+        devices[seen] = index
+    shared = {gpu: ranks for gpu, ranks in owners.items() if len(ranks) > 1}
+    if shared:
+        clashes = "; ".join(
+            f"ranks {', '.join(map(str, ranks))} all use GPU {devices[gpu]} ({gpu})"
+            for gpu, ranks in shared.items()
+        )
+        raise PluribusError(
+            f"rank {ctx.rank}: group {ctx.group_name!r} cannot use NCCL: {clashes}. NCCL needs "
+            "one GPU per rank: give each rank its own (LOCAL_RANK, CUDA_VISIBLE_DEVICES or "
+            "backend_options={'device_id': n}), or use the ucc backend (for example "
+            "backend='cpu:gloo,cuda:ucc'), which serves ranks sharing a GPU through CUDA IPC"
+        )
+
+
 def create_backend(
     ctx: BackendContext, runtime: CupyRuntime | None = None, device_id: int | None = None
 ) -> NcclBackend:
@@ -144,6 +178,7 @@ def create_backend(
     runtime = runtime or CupyRuntime.load()
     if device_id is None:
         device = choose_device(ctx, runtime)
+        check_one_rank_per_gpu(ctx, runtime.device_identity(device), device)
         runtime.use_device(device)  # the rank's arrays are allocated on its GPU from now on
     else:
         device = device_id

@@ -173,6 +173,12 @@ class CupyRuntime:
     def device(self, device_id: int) -> AbstractContextManager:
         return self.cupy.cuda.Device(device_id)
 
+    def device_identity(self, device_id: int) -> str:
+        """The GPU across the job: this host's name and the device's PCI bus id."""
+        import socket
+
+        return f"{socket.gethostname()} {self.cupy.cuda.runtime.deviceGetPCIBusId(device_id)}"
+
     def use_device(self, device_id: int) -> None:
         """Make ``device_id`` the calling thread's current GPU (where cupy allocates)."""
         self.cupy.cuda.Device(device_id).use()
