@@ -13,7 +13,7 @@ import pluribus as pb
 import pytest
 from pluribus import nn
 from pluribus.parallel import DistributedDataParallel
-from pluribus.testing import RanksFailed, run_ranks
+from pluribus.testing import RanksFailed, gpu_unavailable, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -21,25 +21,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 UCC_CUDA = {"ucc_cuda": True}
 
 
-def _gpu_reason(*backends: str) -> str | None:
-    try:
-        import cupy
-    except ImportError:
-        return "cupy is not installed (pip install cupy-cuda12x)"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA GPU visible"
-    except Exception as exc:  # no driver
-        return f"no usable CUDA GPU: {exc}"
-    for name in backends:
-        status = pb.availability(name)
-        if not status.ok:
-            return f"backend {name} unavailable: {status.reason} ({status.remedy})"
-    return None
-
-
 def needs(*backends: str):
-    reason = _gpu_reason(*backends)
+    reason = gpu_unavailable(*backends)
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 

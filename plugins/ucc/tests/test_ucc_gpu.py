@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import pluribus as pb
 import pytest
-from pluribus.testing import RankPool
+from pluribus.testing import RankPool, gpu_unavailable
 
 pytestmark = pytest.mark.gpu
 
 
 def _gpu_reason() -> str | None:
-    try:
-        import cupy
-    except ImportError:
-        return "cupy is not installed (pip install cupy-cuda12x)"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA GPU visible"
-    except Exception as exc:  # no driver
-        return f"no usable CUDA GPU: {exc}"
-    status = pb.availability("ucc")
-    if not status.ok:
-        return f"ucc backend unavailable: {status.reason}"
-    if not status.details.get("cuda_transports"):
+    reason = gpu_unavailable("ucc")
+    if reason:
+        return reason
+    if not pb.availability("ucc").details.get("cuda_transports"):
         return "UCX found no CUDA transport (cuda_copy/cuda_ipc) on this machine"
     return None
 

@@ -7,6 +7,6 @@
 """
 
 from .harness import RankPool, RanksFailed, run_ranks
-from .plugin import require_backend
+from .plugin import gpu_unavailable, require_backend
 
-__all__ = ["RankPool", "RanksFailed", "require_backend", "run_ranks"]
+__all__ = ["RankPool", "RanksFailed", "gpu_unavailable", "require_backend", "run_ranks"]

@@ -24,6 +24,27 @@ def require_backend(name: str) -> None:
         )
 
 
+def gpu_unavailable(*backends: str) -> str | None:
+    """Why GPU tests on ``backends`` cannot run here (no cupy, no GPU, a backend unavailable),
+    or None when they can: the reason for ``pytest.mark.skipif``."""
+    from ..plugins import availability
+
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (pip install cupy-cuda12x)"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA GPU visible"
+    except Exception as exc:  # no driver
+        return f"no usable CUDA GPU: {exc}"
+    for name in backends:
+        status = availability(name)
+        if not status.ok:
+            return f"backend {name} unavailable: {status.reason} ({status.remedy})"
+    return None
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("pluribus", "pluribus backend conformance")
     group.addoption(
