@@ -97,6 +97,13 @@ def _plan_body():
     assert plan.cost > 0 and redistribute_plan(x, x.placements).steps == ()
     y = x.redistribute(placements=[Replicate(), Replicate()], async_op=True)
     np.testing.assert_array_equal(y.to_local(), np.zeros((8, 4), np.float32))
+    ones = distribute_tensor(np.ones(4), mesh, [Partial(), Replicate()])
+    piece = ones.to_local()
+    summed = ones.redistribute(placements=[Replicate(), Replicate()], donate=True)
+    assert summed.to_local() is piece  # reduced in place: no copy
+    np.testing.assert_array_equal(piece, np.ones(4))
+    with pytest.raises(ValueError, match="donate=True"):
+        ones.to_local()
     return True
 
 

@@ -86,6 +86,7 @@ class DeviceMesh:
         self._coordinate = tuple(int(i) for i in where[0]) if len(where) else None
         self._groups: dict[int, ProcessGroup] = {}
         self._orders: dict[int, list[int]] = {}
+        self._info: dict[int, tuple[ProcessGroup, list[int], bool]] = {}
         #: redistribute plans by (source layout, target layout); see pluribus.dtensor.plan
         self.plan_cache: dict[Any, Any] = {}
 
@@ -158,6 +159,15 @@ class DeviceMesh:
             row = [int(r) for r in self.mesh[tuple(index)]]
             ranks = self.get_group(dim).ranks
             found = self._orders[dim] = [ranks.index(r) for r in row]
+        return found
+
+    def group_info(self, dim: int) -> tuple[ProcessGroup, list[int], bool]:
+        """``get_group(dim)``, ``group_order(dim)`` and whether that order is the identity, cached
+        for redistribute's fast path."""
+        found = self._info.get(dim)
+        if found is None:
+            order = self.group_order(dim)
+            found = self._info[dim] = (self.get_group(dim), order, order == sorted(order))
         return found
 
     def get_all_groups(self) -> list[ProcessGroup]:

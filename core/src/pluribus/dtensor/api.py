@@ -83,6 +83,11 @@ class DTensor:
         """This rank's piece (for ``Partial``, this rank's term)."""
         if self._pending is not None:
             self.wait()
+        if self._local is None:
+            raise ValueError(
+                f"rank {_rank()}: this DTensor was given to redistribute(donate=True), which "
+                "may have written over its piece; use the DTensor redistribute returned"
+            )
         return self._local
 
     def full_tensor(self) -> Any:
@@ -124,10 +129,13 @@ class DTensor:
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        donate: bool = False,
     ) -> DTensor:
         """The same global array with ``placements`` (array_split sizes), by the plan
         :meth:`redistribute_plan` shows. With ``async_op`` the last collective runs in the
-        background; the result waits for it on first use."""
+        background; the result waits for it on first use. With ``donate`` (JAX's word) the
+        collectives may work in this DTensor's piece instead of a copy (an all-reduce then
+        costs exactly the hand-written one), and this DTensor can no longer be used."""
         if device_mesh is not None and device_mesh is not self._mesh and device_mesh != self._mesh:
             raise ValueError(
                 f"rank {_rank()}: redistribute cannot move a DTensor to another mesh "
@@ -138,7 +146,9 @@ class DTensor:
         if self._pending is not None:
             self.wait()
         plan = self._plan(tuple(placements))
-        work, finish = execute(self._mesh, plan, self._local, async_op)
+        work, finish = execute(self._mesh, plan, self.to_local(), async_op, donate)
+        if donate and plan.steps:
+            self._local = None
         if work is None:
             return DTensor(finish(), self._mesh, plan.dst)
         return DTensor(None, self._mesh, plan.dst, _pending=(work, finish))

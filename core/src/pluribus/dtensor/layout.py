@@ -29,6 +29,15 @@ class Layout:
     #: per mesh dimension: the sizes of the pieces along the sharded tensor dimension, or None
     sizes: tuple[tuple[int, ...] | None, ...]
 
+    def __hash__(self) -> int:
+        # plan-cache keys are hashed on every redistribute: compute it once
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash((self.shape, self.placements, self.sizes))
+            object.__setattr__(self, "_hash", h)
+            return h
+
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         shape = list(self.shape)
         for m, p in enumerate(self.placements):

@@ -48,9 +48,8 @@ def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
             zeros = xp.zeros_like(local)
             return None, lambda: zeros
         return None, lambda: local
-    group = mesh.get_group(m)
-    perm = mesh.group_order(m)  # mesh coordinate along m -> rank in the group
-    identity = perm == list(range(len(perm)))
+    # perm: index along mesh dimension m -> rank in the group
+    group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
         array = local if owned else local.copy()
         work = dist.all_reduce(array, op=step.src.reduce_op, group=group, async_op=async_op)
@@ -113,10 +112,10 @@ def _all_to_all(xp, group, perm, me, step: Step, local, async_op):
     return work, lambda: xp.concatenate(received, axis=i)
 
 
-def execute(mesh: Any, plan: Plan, local: Any, async_op: bool = False):
+def execute(mesh: Any, plan: Plan, local: Any, async_op: bool = False, owned: bool = False):
     """Run every step of ``plan``; return ``(work, finish)`` as :func:`run_step` does (only the
-    last collective runs in the background: each step needs the one before)."""
-    owned = False
+    last collective runs in the background: each step needs the one before). ``owned``: the
+    steps may write into ``local``."""
     steps = plan.steps
     for n, step in enumerate(steps):
         last = n == len(steps) - 1
