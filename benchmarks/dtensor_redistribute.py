@@ -36,8 +36,9 @@ def _rounds(fns: dict, seconds: float) -> dict:
     times: dict[str, list[float]] = {k: [] for k in fns}
     rounds = max(5, int(seconds / (once * per * len(fns)) + 1))
     rounds = pb.broadcast_object(min(rounds, 40))
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for n in range(rounds):
+        # alternate the order: the first batch after a barrier pays for the ranks' skew
+        for name, fn in list(fns.items())[:: 1 if n % 2 else -1]:
             pb.barrier()
             start = time.perf_counter()
             for _ in range(per):
@@ -117,6 +118,14 @@ def _overhead():
                 fn()
             samples.append((time.perf_counter() - start) / 20000 * 1e6)
         results[name] = (float(np.median(samples)), float(np.min(samples)))
+    # one rank: the collectives cost next to nothing, so the difference is redistribute's own
+    for op, (ours, hand) in _pairs(mesh, 4096).items():
+        t = _rounds({"redistribute": ours, "hand": hand}, 1.0)
+        extra = (t["redistribute"][0] - t["hand"][0]) * 1e6
+        results[f"{op} step, 4 KiB on 1 rank: extra over the collective"] = (
+            extra,
+            (t["redistribute"][1] - t["hand"][1]) * 1e6,
+        )
     return results
 
 
