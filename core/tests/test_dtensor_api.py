@@ -147,9 +147,14 @@ def _errors(case):
         ("partial", [0, 1], "would change the reduced value; redistribute to Replicate"),
     ],
 )
-def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message):
+def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, counting):
     with pytest.raises(RanksFailed) as failed:
         run_ranks(_errors, 2, args=(case,))
+    sent = [c for calls in counting.calls.values() for c in calls]
+    if case == "from_local":  # the check itself: one exchange of shapes, then the error
+        assert {c[0] for c in sent} == {"all_gather"}
+    else:
+        assert sent == [], "nothing may be sent before the error"
     assert sorted(e.rank for e in failed.value.errors) == ranks
     for e in failed.value.errors:
         assert e.kind == "ValueError"
@@ -163,3 +168,4 @@ def test_dtensor_is_exported_where_users_look():
     import pluribus.dtensor as dt
 
     assert dt.DTensor is DTensor and dt.init_device_mesh is init_device_mesh
+    assert DTensor.from_local is from_local

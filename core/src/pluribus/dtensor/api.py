@@ -313,6 +313,9 @@ def _checked_layout(local, mesh: DeviceMesh, placements, shape) -> Layout:
     return Layout(tuple(global_shape), placements, tuple(sizes))
 
 
+DTensor.from_local = staticmethod(from_local)  # torch's spelling: DTensor.from_local(...)
+
+
 def redistribute_plan(
     src: DTensor, placements: Sequence[Placement], cost: CostModel | None = None
 ) -> Plan:
