@@ -142,7 +142,7 @@ def _errors(case):
         ("dim", [0, 1], r"Shard\(2\) on mesh dimension 0: the tensor has 2 dimension"),
         ("from_local", [0, 1], "rank 0 has shape .* and rank 1 .*same size"),
         ("two meshes", [0, 1], "mixes DTensors of two meshes"),
-        ("not in mesh", [1], "this rank is not in the mesh"),
+        ("not in mesh", [0, 1], "must hold every rank of the world 0..1"),
         ("mesh shape", [0, 1], r"mesh shape \(3,\) holds 3 ranks but the world has 2"),
         ("partial", [0, 1], "would change the reduced value; redistribute to Replicate"),
     ],

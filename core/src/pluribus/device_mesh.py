@@ -1,6 +1,7 @@
 """DeviceMesh: the job's ranks as an n-d array, with one process group per mesh dimension.
 
-``init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))`` lays ranks 0..7 out row-major;
+``init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))`` lays ranks 0..7 out row-major
+(a mesh holds every rank of the world, in any order; slices hold part of it);
 ``mesh["tp"]`` is the 1-d slice through this rank, ``mesh.get_group("tp")`` the group of the
 ranks it shares a row with. Groups are created on first use, all the groups along a mesh
 dimension at once (``new_group`` must be called by every rank in the same order), and cached per
@@ -65,10 +66,13 @@ class DeviceMesh:
                     f"rank {me}: a DeviceMesh needs distinct ranks of the world 0..{world.size - 1}"
                     f", got {ranks.tolist()}"
                 )
-            if me not in flat:
+            if sorted(flat) != list(range(world.size)):
+                where = "is not" if me not in flat else "is"
                 raise ValueError(
-                    f"rank {me}: this rank is not in the mesh {ranks.tolist()}; every rank that "
-                    "builds a mesh must be in it (build it from ranks that include this one)"
+                    f"rank {me}: a DeviceMesh must hold every rank of the world 0..{world.size - 1}"
+                    f" (its groups are made by all ranks together); {ranks.tolist()} does not, and "
+                    f"this rank {where} in it. Build the mesh over the world and slice it "
+                    '(mesh["tp"]) for part of it'
                 )
         names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
         if names is not None and (len(names) != ranks.ndim or len(set(names)) != len(names)):
