@@ -174,3 +174,33 @@ def test_dp_by_tp_training_equals_one_process():
     for step in range(4):
         mean = (results[0][0][step] + results[2][0][step]) / 2
         assert mean == pytest.approx(want_losses[step], rel=1e-9)
+
+
+def _gpt_sequence_parallel(counting: CountingPlugin):
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
+    model = nn.GPT(config, dtype=np.float64, rng=0)
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, transformer_plan(model, sequence_parallel=True))
+    idx = np.random.default_rng(6).integers(0, 32, size=(2, 8))
+    grad = np.random.default_rng(7).normal(size=(2, 8, 32))
+    want = reference.forward(idx)
+    reference.backward(grad)
+    mark = counting.mark(pb.get_rank())
+    np.testing.assert_allclose(model.forward(idx), want, rtol=1e-10, atol=1e-12)
+    model.backward(grad)
+    kinds = [c[0] for c in counting.since(pb.get_rank(), mark)]
+    assert "all_reduce" in kinds and "reduce_scatter" in kinds  # the norms' gradients; the blocks
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        np.testing.assert_allclose(
+            full_parameter(p, grad=True), q.grad, rtol=1e-9, atol=1e-12, err_msg=name
+        )
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_gpt_equals_the_gpt(world, counting):
+    assert run_ranks(_gpt_sequence_parallel, world, args=(counting,)) == [True] * world

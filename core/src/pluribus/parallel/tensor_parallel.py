@@ -208,7 +208,14 @@ class RowwiseParallel(ParallelStyle):
 class AttentionParallel(ParallelStyle):
     """Split a :class:`~pluribus.nn.CausalSelfAttention` by heads: the q, k, v projections
     column-parallel (each of the three blocks of a fused ``qkv``), ``proj`` row-parallel, and one
-    all-reduce of the input gradient for all three projections."""
+    all-reduce of the input gradient for all three projections.
+
+    ``sequence_dim=d``: input and output are this rank's part of dimension ``d`` (sequence
+    parallelism): gathered on the way in, reduce-scattered on the way out.
+    """
+
+    def __init__(self, *, sequence_dim: int | None = None):
+        self.sequence_dim = sequence_dim
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         if not isinstance(module, CausalSelfAttention):
@@ -228,18 +235,27 @@ class AttentionParallel(ParallelStyle):
             style._chunks = 3 if module.fused_qkv else 1
             style._reduce_input_grad = False
             style.apply(linear, mesh)
-        RowwiseParallel().apply(module.proj, mesh)
+        outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)
+        RowwiseParallel(output_layouts=outer).apply(module.proj, mesh)
         module.num_heads //= tp
         features = module.embed_dim
+        if outer != Replicate():
+            module.register_forward_pre_hook(
+                lambda m, args: (_move(args[0], mesh, outer, Replicate(), features),)
+            )
         module.register_full_backward_hook(
-            lambda m, gi, go: (_move(gi[0], mesh, Partial(), Replicate(), features),)
+            lambda m, gi, go: (_move(gi[0], mesh, Partial(), outer, features),)
         )
         return module
 
 
 class MLPParallel(ParallelStyle):
     """Split a transformer MLP (``Sequential(Linear, activation, Linear, ...)``): the first
-    Linear column-parallel, the last row-parallel, the activation on the local features."""
+    Linear column-parallel, the last row-parallel, the activation on the local features.
+    ``sequence_dim`` as for :class:`AttentionParallel`."""
+
+    def __init__(self, *, sequence_dim: int | None = None):
+        self.sequence_dim = sequence_dim
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         linears = [m for m in module.children() if isinstance(m, Linear)]
@@ -248,8 +264,48 @@ class MLPParallel(ParallelStyle):
                 f"{_rank_text(mesh)}: MLPParallel needs a Sequential with two Linear layers, "
                 f"got {module!r}"
             )
-        ColwiseParallel().apply(linears[0], mesh)
-        RowwiseParallel().apply(linears[1], mesh)
+        outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)
+        ColwiseParallel(input_layouts=outer).apply(linears[0], mesh)
+        RowwiseParallel(output_layouts=outer).apply(linears[1], mesh)
+        return module
+
+
+class SequenceParallel(ParallelStyle):
+    """A per-token module (LayerNorm, dropout) on this rank's part of the sequence, with its
+    parameters replicated: each gradient it adds is summed over the tensor-parallel ranks
+    (one small all-reduce) before it reaches ``.grad``, so every rank holds the whole one."""
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        for _, param in module.named_parameters():
+
+            def accumulate(grad: Any, param: Parameter = param) -> None:
+                Parameter.accumulate_grad(param, _move(grad, mesh, Partial(), Replicate(), 0))
+
+            param.accumulate_grad = accumulate
+        return module
+
+
+class SequenceSharded(ParallelStyle):
+    """Run a module (the stack of blocks) on this rank's part of dimension ``dim``: its
+    replicated input is sliced on the way in and its output gathered on the way out (and the
+    reverse for gradients). The sequence length must divide by the tensor-parallel size."""
+
+    def __init__(self, dim: int = 1):
+        self.dim = dim
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        part = Shard(self.dim)
+
+        def whole(x: Any, m=mesh) -> Any:
+            return _move(x, m, part, Replicate(), 0)
+
+        def mine(x: Any, m=mesh) -> Any:
+            return _move(x, m, Replicate(), part, 0)
+
+        module.register_forward_pre_hook(lambda m, args: (mine(args[0]),))
+        module.register_forward_hook(lambda m, args, y: whole(y))
+        module.register_full_backward_pre_hook(lambda m, g: (mine(g[0]),))
+        module.register_full_backward_hook(lambda m, gi, go: (whole(gi[0]),))
         return module
 
 
@@ -279,12 +335,23 @@ def parallelize_module(
     return module
 
 
-def transformer_plan(model: Module) -> dict[str, ParallelStyle]:
+def transformer_plan(model: Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan for every block of a GPT or a TransformerBlock: heads and MLP
-    split; embeddings, norms and the head replicated."""
+    split; embeddings, norms and the head replicated. With ``sequence_parallel`` (a GPT) the
+    blocks run on this rank's part of the sequence: norms and residuals on 1/tp of the tokens,
+    the gathers and reduce-scatters replacing the all-reduces."""
     plan: dict[str, ParallelStyle] = {}
+    dim = 1 if sequence_parallel else None
     for name, m in model.named_modules():
         if isinstance(m, CausalSelfAttention) and name.endswith("attn"):
-            plan[name] = AttentionParallel()
-            plan[name[: -len("attn")] + "mlp"] = MLPParallel()
+            block = name[: -len("attn")]
+            plan[name] = AttentionParallel(sequence_dim=dim)
+            plan[block + "mlp"] = MLPParallel(sequence_dim=dim)
+            if sequence_parallel:
+                plan[block + "ln1"] = SequenceParallel()
+                plan[block + "ln2"] = SequenceParallel()
+    if sequence_parallel:
+        if "blocks" not in dict(model.named_modules()):
+            raise ValueError("sequence_parallel=True takes a GPT (a model with .blocks)")
+        plan["blocks"] = SequenceSharded(1)
     return plan
