@@ -190,12 +190,18 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool) -> DTensor:
     else:
         dtype = np.dtype(local.dtype)
         info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-        initial = (
+        identity = (
             (-np.inf if dtype.kind == "f" else info.min)
             if name == "max"
             else (np.inf if dtype.kind == "f" else info.max)
-        )  # empty pieces of uneven shards reduce to the identity
-        out = getattr(xp, name)(local, axis=axes, keepdims=keepdims, initial=initial)
+        )
+        if any(local.shape[a] == 0 for a in axes):  # an empty piece of an uneven shard
+            kept = [1 if d in axes else n for d, n in enumerate(local.shape)]
+            out = xp.full(kept, identity, dtype=local.dtype)
+            if not keepdims:
+                out = out.reshape([n for d, n in enumerate(kept) if d not in axes])
+        else:
+            out = getattr(xp, name)(local, axis=axes, keepdims=keepdims)
     shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape) if keepdims or d not in axes)
     out = xp.asarray(out, dtype=local.dtype if name != "mean" else out.dtype)
     return DTensor(out, x.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+from .. import distributed as dist
 from ..device_mesh import DeviceMesh
 from ..dtensor import Partial, Placement, Replicate, Shard, from_local
 from ..dtensor.layout import split_sizes
@@ -23,7 +24,7 @@ from ..nn.transformer import CausalSelfAttention
 
 
 def _rank_text(mesh: DeviceMesh) -> str:
-    return f"rank {mesh._world.global_rank}"
+    return f"rank {dist.get_rank()}"
 
 
 def _move(array: Any, mesh: DeviceMesh, src: Placement, dst: Placement, full: int) -> Any:
