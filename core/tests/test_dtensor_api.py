@@ -169,3 +169,24 @@ def test_dtensor_is_exported_where_users_look():
 
     assert dt.DTensor is DTensor and dt.init_device_mesh is init_device_mesh
     assert DTensor.from_local is from_local
+
+
+def _uneven_on_a_real_backend():
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    reference = np.arange(5 * 7, dtype=np.float32).reshape(5, 7)  # 5 rows over 3: 2, 2, 1
+    x = distribute_tensor(reference, mesh, [Shard(0)])
+    chain = [[Shard(1)], [Partial()], [Shard(0)], [Replicate()], [Partial("max")], [Shard(1)]]
+    for target in chain:
+        x = x.redistribute(placements=target)
+        np.testing.assert_array_equal(x.full_tensor(), reference)
+    rows = [3, 0, 2][pb.get_rank()]  # from_local with the ranks' own sizes, one of them empty
+    start = [0, 3, 3][pb.get_rank()]
+    y = DTensor.from_local(reference[start : start + rows], mesh, [Shard(0)])
+    np.testing.assert_array_equal(y.redistribute(placements=[Shard(1)]).full_tensor(), reference)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_uneven_layouts_on_gloo_processes():
+    pytest.importorskip("pluribus_gloo")
+    assert run_ranks(_uneven_on_a_real_backend, 3, backend="gloo", timeout=100) == [True] * 3
