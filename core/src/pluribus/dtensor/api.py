@@ -111,7 +111,8 @@ class DTensor:
 
     def _plan(self, placements: tuple[Placement, ...]) -> Plan:
         mesh = self._mesh
-        key = (self._layout, placements, self.to_local().dtype)
+        local = self._local if self._local is not None else self.to_local()
+        key = (self._layout, placements, local.dtype)
         try:
             return mesh.plan_cache[key]
         except KeyError:
@@ -145,7 +146,7 @@ class DTensor:
             raise ValueError(f"rank {_rank()}: redistribute needs placements=")
         if self._pending is not None:
             self.wait()
-        plan = self._plan(tuple(placements))
+        plan = self._plan(placements if type(placements) is tuple else tuple(placements))
         work, finish = execute(self._mesh, plan, self.to_local(), async_op, donate)
         if donate and plan.steps:
             self._local = None

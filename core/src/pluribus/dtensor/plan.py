@@ -55,6 +55,8 @@ class Step:
     seconds: float
     src_sizes: tuple[int, ...] | None = None
     dst_sizes: tuple[int, ...] | None = None
+    #: every piece of the sharded side the same size (the collectives' single-array form)
+    even: bool = False
 
     @property
     def collective(self) -> str | None:
@@ -171,6 +173,7 @@ def make_plan(
                 _ring_seconds(kind, p, whole, cost),
                 state.sizes[m],
                 target_sizes,
+                len(set(state.sizes[m] or target_sizes or (0,))) == 1,
             )
         )
         layouts.append(state)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .. import distributed as dist
 from ..nn.module import array_namespace
 from .plan import Plan, Step
@@ -34,7 +36,7 @@ def _offsets(sizes) -> list[int]:
 def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
     """Issue ``step`` on ``local``; return ``(work, finish)``: ``finish()`` gives the new local
     array once ``work`` (None for synchronous or local steps) is done."""
-    xp = array_namespace(local)
+    xp = np if type(local) is np.ndarray else array_namespace(local)
     m, kind = step.mesh_dim, step.kind
     me = mesh.coordinate[m]
     if kind == "shard_local":
@@ -56,9 +58,9 @@ def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
         return work, lambda: array
     if kind == "all_gather":
         d, sizes = step.src.dim, step.src_sizes
-        piece = _front(xp, local, d)
+        piece = local if not d and local.flags.c_contiguous else _front(xp, local, d)
         out = xp.empty((sum(sizes),) + piece.shape[1:], dtype=local.dtype)
-        if identity and len(set(sizes)) == 1:
+        if identity and step.even:
             work = dist.all_gather(out, piece, group=group, async_op=async_op)
         else:
             views = [out[o : o + n] for o, n in zip(_offsets(sizes), sizes, strict=True)]
@@ -69,10 +71,10 @@ def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
         return work, lambda: _back(xp, out, d)
     if kind == "reduce_scatter":
         d, sizes = step.dst.dim, step.dst_sizes
-        whole = _front(xp, local, d)
+        whole = local if not d and local.flags.c_contiguous else _front(xp, local, d)
         out = xp.empty((sizes[me],) + whole.shape[1:], dtype=local.dtype)
         op = step.src.reduce_op
-        if identity and len(set(sizes)) == 1:
+        if identity and step.even:
             work = dist.reduce_scatter(out, whole, op=op, group=group, async_op=async_op)
         else:
             inputs = [None] * len(sizes)
