@@ -71,7 +71,7 @@ class CausalSelfAttention(Composite):
     def _merge(self, x: Any) -> Any:
         """(B, H, T, D) -> (B, T, C)."""
         b, _, t, _ = x.shape
-        return x.transpose(0, 2, 1, 3).reshape(b, t, self.embed_dim)
+        return x.transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * self.head_dim)
 
     def forward(self, x: Any) -> Any:
         if x.ndim != 3 or x.shape[-1] != self.embed_dim:
@@ -80,7 +80,7 @@ class CausalSelfAttention(Composite):
                 f"inputs, got shape {tuple(x.shape)}"
             )
         xp = array_namespace(x)
-        c = self.embed_dim
+        c = self.num_heads * self.head_dim  # fewer than embed_dim under tensor parallelism
         if self.fused_qkv:
             qkv = self.qkv.forward(x)
             q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]

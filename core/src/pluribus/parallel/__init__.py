@@ -1,11 +1,34 @@
-"""Parallel training on top of the collective hooks: data parallelism and synced batch norm."""
+"""Parallel training on top of the collective hooks: data parallelism, synced batch norm and
+tensor parallelism."""
 
 from . import comm_hooks
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DistributedDataParallel, GradBucket
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from .tensor_parallel import (
+    AttentionParallel,
+    ColwiseParallel,
+    MLPParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    SequenceSharded,
+    full_parameter,
+    parallelize_module,
+    transformer_plan,
+)
 
 __all__ = [
+    "AttentionParallel",
+    "ColwiseParallel",
+    "MLPParallel",
+    "ParallelStyle",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "SequenceSharded",
+    "full_parameter",
+    "parallelize_module",
+    "transformer_plan",
     "DistributedDataParallel",
     "GradBucket",
     "SyncBatchNorm",

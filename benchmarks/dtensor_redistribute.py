@@ -1,0 +1,193 @@
+"""DTensor redistribute against the one collective written by hand, its fixed cost per call,
+and the tensor-parallel GPT MLP's speed-up of 2 ranks over 1.
+
+    python benchmarks/dtensor_redistribute.py                  # everything below, gloo
+    python benchmarks/dtensor_redistribute.py --only overhead  # the fixed cost only
+    python benchmarks/dtensor_redistribute.py --only mlp --embd 768 --tokens 256
+
+The ranks are processes on gloo (one BLAS thread each). Each comparison alternates the two
+calls in rounds, so that machine load hits both alike, and prints the median (and fastest)
+time per call; ratio = redistribute / by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+SIZES = {"64 KiB": 64 << 10, "16 MiB": 16 << 20}
+ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _rounds(fns: dict, seconds: float) -> dict:
+    """Median and fastest seconds per call of each function, measured in alternating batches."""
+    import pluribus as pb
+
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    pb.barrier()
+    start = time.perf_counter()
+    next(iter(fns.values()))()
+    once = max(time.perf_counter() - start, 1e-6)
+    per = pb.broadcast_object(int(min(500, max(1, 0.02 / once))))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    rounds = max(5, int(seconds / (once * per * len(fns)) + 1))
+    rounds = pb.broadcast_object(min(rounds, 40))
+    for n in range(rounds):
+        # alternate the order: the first batch after a barrier pays for the ranks' skew
+        for name, fn in list(fns.items())[:: 1 if n % 2 else -1]:
+            pb.barrier()
+            start = time.perf_counter()
+            for _ in range(per):
+                fn()
+            times[name].append((time.perf_counter() - start) / per)
+    return {k: (float(np.median(v)), float(np.min(v))) for k, v in times.items()}
+
+
+def _pairs(mesh, nbytes: int) -> dict:
+    """For each collective: (redistribute, the same collective by hand) on ``nbytes``."""
+    import pluribus as pb
+    from pluribus.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    whole = np.zeros((nbytes // 4 // 256, 256), np.float32)
+    shard = distribute_tensor(whole, mesh, [Shard(0)])
+    partial = distribute_tensor(whole, mesh, [Partial()])
+    local = shard.to_local()
+    buffer = whole.copy()
+    return {
+        "all_gather": (
+            lambda: shard.redistribute(placements=[Replicate()]),
+            lambda: pb.all_gather(np.empty_like(whole), local),
+        ),
+        "all_reduce": (
+            lambda: partial.redistribute(placements=[Replicate()]),
+            lambda: pb.all_reduce(buffer),
+        ),
+        "all_reduce, donate": (
+            lambda: DTensor(buffer, mesh, partial.layout).redistribute(
+                placements=[Replicate()], donate=True
+            ),
+            lambda: pb.all_reduce(buffer),
+        ),
+        "reduce_scatter": (
+            lambda: partial.redistribute(placements=[Shard(0)]),
+            lambda: pb.reduce_scatter(np.empty_like(local), buffer),
+        ),
+    }
+
+
+def _collectives(seconds: float):
+    import pluribus as pb
+    from pluribus.dtensor import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    out = []
+    for label, nbytes in SIZES.items():
+        for op, (ours, hand) in _pairs(mesh, nbytes).items():
+            t = _rounds({"redistribute": ours, "hand": hand}, seconds)
+            out.append((label, op, t["redistribute"], t["hand"]))
+    return out
+
+
+def _overhead():
+    """Microseconds per call of the work redistribute adds to its collectives: placement
+    checks, the cached plan's lookup and the new DTensor (a plan with no collective)."""
+    import pluribus as pb
+    from pluribus.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    x = distribute_tensor(np.ones((64, 64), np.float32), mesh, [Shard(0)])
+    same, to_local = [Shard(0)], [Replicate()]
+    y = x.redistribute(placements=to_local)
+    results = {}
+    for name, fn in {
+        "no-op redistribute (check, plan lookup, new DTensor)": lambda: x.redistribute(
+            placements=same
+        ),
+        "Replicate -> Shard(0), 64x64 float32 (local slice)": lambda: y.redistribute(
+            placements=same
+        ),
+    }.items():
+        samples = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(20000):
+                fn()
+            samples.append((time.perf_counter() - start) / 20000 * 1e6)
+        results[name] = (float(np.median(samples)), float(np.min(samples)))
+    # one rank: the collectives cost next to nothing, so the difference is redistribute's own
+    for op, (ours, hand) in _pairs(mesh, 4096).items():
+        t = _rounds({"redistribute": ours, "hand": hand}, 1.0)
+        extra = (t["redistribute"][0] - t["hand"][0]) * 1e6
+        results[f"{op} step, 4 KiB on 1 rank: extra over the collective"] = (
+            extra,
+            (t["redistribute"][1] - t["hand"][1]) * 1e6,
+        )
+    return results
+
+
+def _mlp(embd: int, tokens: int, steps: int):
+    import pluribus as pb
+    from pluribus import nn
+    from pluribus.dtensor import init_device_mesh
+    from pluribus.parallel import MLPParallel, parallelize_module
+
+    block = nn.TransformerBlock(embd, 1, rng=0)
+    mlp = block.mlp
+    p = pb.get_world_size()
+    if p > 1:
+        parallelize_module(mlp, init_device_mesh("cpu", (p,)), MLPParallel())
+    x = np.random.default_rng(1).normal(size=(1, tokens, embd)).astype(np.float32)
+
+    def step():
+        mlp.backward(mlp.forward(x))
+        mlp.zero_grad()
+
+    return _rounds({"step": step}, steps)["step"]
+
+
+def main() -> None:
+    from pluribus.testing import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["collectives", "overhead", "mlp"])
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per comparison")
+    parser.add_argument("--embd", type=int, default=768)
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    run = {"collectives", "overhead", "mlp"} if args.only is None else {args.only}
+    if "overhead" in run:
+        for name, (med, best) in run_ranks(_overhead, 1, backend="gloo", env=ENV)[0].items():
+            print(f"overhead  {name}: {med:.2f} us (fastest {best:.2f})")
+    if "collectives" in run:
+        for p in [int(s) for s in args.ranks.split(",")]:
+            rows = run_ranks(_collectives, p, backend="gloo", env=ENV, timeout=600,
+                             args=(args.seconds,))[0]  # fmt: skip
+            for label, op, ours, hand in rows:
+                print(
+                    f"gloo {p} ranks  {label:>6}  {op:<18}  redistribute {ours[0] * 1e6:9.1f} us"
+                    f" (fastest {ours[1] * 1e6:9.1f})  by hand {hand[0] * 1e6:9.1f} us (fastest "
+                    f"{hand[1] * 1e6:9.1f})  ratio {ours[0] / hand[0]:.3f} "
+                    f"(fastest {ours[1] / hand[1]:.3f})"
+                )
+    if "mlp" in run:
+        times = {}
+        for p in (1, 2):
+            times[p] = run_ranks(_mlp, p, backend="gloo", env=ENV, timeout=600,
+                                 args=(args.embd, args.tokens, 4 * args.seconds))[0]  # fmt: skip
+            print(
+                f"TP MLP C={args.embd} hidden={4 * args.embd} tokens={args.tokens}, {p} rank(s): "
+                f"{times[p][0] * 1e3:.1f} ms per forward+backward (fastest {times[p][1] * 1e3:.1f})"
+            )
+        print(
+            f"TP MLP speed-up 2 ranks over 1: {times[1][0] / times[2][0]:.2f}x "
+            f"(fastest {times[1][1] / times[2][1]:.2f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""DTensor: a global array held as one local piece per rank, with a layout that says which.
+
+Only ``redistribute`` (and ``from_local``'s check) communicates; everything else is local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import distributed as dist
+from ..device_mesh import DeviceMesh
+from ..nn.module import array_namespace
+from .layout import Layout, default_layout, normalize_placements
+from .placements import Partial, Placement, Replicate, Shard
+from .plan import DEFAULT_COST, CostModel, Plan, make_plan
+from .redistribute import execute
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class DTensor:
+    """A global ``shape``-d array distributed over ``device_mesh`` by ``placements``."""
+
+    __slots__ = ("_local", "_mesh", "_layout", "_pending", "__weakref__")
+    __array_priority__ = 100  # numpy scalars and arrays defer to our operators
+
+    def __init__(self, local: Any, mesh: DeviceMesh, layout: Layout, _pending=None):
+        self._local = local
+        self._mesh = mesh
+        self._layout = layout
+        self._pending = _pending
+
+    # -- what it is -------------------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._layout.placements
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._layout.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._layout.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.to_local().dtype
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensor(shape={self.shape}, placements={list(self.placements)}, "
+            f"dtype={self.dtype}, mesh={self._mesh!r})"
+        )
+
+    # -- local and global values ------------------------------------------------------------
+
+    def wait(self) -> DTensor:
+        """Finish an ``async_op=True`` redistribute (any use of the local array also does)."""
+        if self._pending is not None:
+            work, finish = self._pending
+            if work is not None:
+                work.wait()
+            self._local = finish()
+            self._pending = None
+        return self
+
+    def to_local(self) -> Any:
+        """This rank's piece (for ``Partial``, this rank's term)."""
+        if self._pending is not None:
+            self.wait()
+        if self._local is None:
+            raise ValueError(
+                f"rank {_rank()}: this DTensor was given to redistribute(donate=True), which "
+                "may have written over its piece; use the DTensor redistribute returned"
+            )
+        return self._local
+
+    def full_tensor(self) -> Any:
+        """The whole array on every rank (an all-gather or all-reduce per non-replicated mesh
+        dimension)."""
+        return self.redistribute(placements=(Replicate(),) * self._mesh.ndim).to_local()
+
+    # -- redistribute -----------------------------------------------------------------------
+
+    def redistribute_plan(
+        self, placements: Sequence[Placement], cost: CostModel | None = None
+    ) -> Plan:
+        """What :meth:`redistribute` to ``placements`` will do: steps, bytes, predicted time."""
+        plan = self._plan(tuple(placements))
+        if cost is not None and cost != DEFAULT_COST:
+            plan = make_plan(
+                plan.src, plan.dst, self._mesh.shape, self._mesh.coordinate,
+                np.dtype(self.dtype).itemsize, cost,
+            )  # fmt: skip
+        return plan
+
+    def _plan(self, placements: tuple[Placement, ...]) -> Plan:
+        mesh = self._mesh
+        local = self._local if self._local is not None else self.to_local()
+        key = (self._layout, placements, local.dtype)
+        try:
+            return mesh.plan_cache[key]
+        except KeyError:
+            pass
+        targets = normalize_placements(placements, self.ndim, mesh.shape, _rank())
+        dst = default_layout(self.shape, targets, mesh.shape)
+        plan = mesh.plan_cache[key] = make_plan(
+            self._layout, dst, mesh.shape, mesh.coordinate, np.dtype(self.dtype).itemsize
+        )
+        return plan
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+        donate: bool = False,
+    ) -> DTensor:
+        """The same global array with ``placements`` (array_split sizes), by the plan
+        :meth:`redistribute_plan` shows. With ``async_op`` the last collective runs in the
+        background; the result waits for it on first use. With ``donate`` (JAX's word) the
+        collectives may work in this DTensor's piece instead of a copy (an all-reduce then
+        costs exactly the hand-written one), and this DTensor can no longer be used."""
+        if device_mesh is not None and device_mesh is not self._mesh and device_mesh != self._mesh:
+            raise ValueError(
+                f"rank {_rank()}: redistribute cannot move a DTensor to another mesh "
+                f"({self._mesh!r} -> {device_mesh!r})"
+            )
+        if placements is None:
+            raise ValueError(f"rank {_rank()}: redistribute needs placements=")
+        if self._pending is not None:
+            self.wait()
+        plan = self._plan(placements if type(placements) is tuple else tuple(placements))
+        work, finish = execute(self._mesh, plan, self.to_local(), async_op, donate)
+        if donate and plan.steps:
+            self._local = None
+        if work is None:
+            return DTensor(finish(), self._mesh, plan.dst)
+        return DTensor(None, self._mesh, plan.dst, _pending=(work, finish))
+
+    # -- operators (pluribus.dtensor.ops) ---------------------------------------------------
+
+    def __add__(self, other):
+        return _ops().add(self, other)
+
+    def __radd__(self, other):
+        return _ops().add(other, self)
+
+    def __sub__(self, other):
+        return _ops().sub(self, other)
+
+    def __rsub__(self, other):
+        return _ops().sub(other, self)
+
+    def __mul__(self, other):
+        return _ops().mul(self, other)
+
+    def __rmul__(self, other):
+        return _ops().mul(other, self)
+
+    def __truediv__(self, other):
+        return _ops().div(self, other)
+
+    def __neg__(self):
+        return _ops().neg(self)
+
+    def __matmul__(self, other):
+        return _ops().matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _ops().matmul(other, self)
+
+    def sum(self, axis=None, keepdims=False):
+        return _ops().sum(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return _ops().mean(self, axis, keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return _ops().max(self, axis, keepdims)
+
+    def min(self, axis=None, keepdims=False):
+        return _ops().min(self, axis, keepdims)
+
+    @property
+    def T(self):
+        return _ops().transpose(self)
+
+
+def _ops():
+    from . import ops
+
+    return ops
+
+
+def distribute_tensor(
+    tensor: Any, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None
+) -> DTensor:
+    """Cut ``tensor`` (the same whole array on every rank) into this rank's piece, without
+    communicating. ``Partial("sum")`` keeps the value on the first rank of its mesh dimension
+    and zeros elsewhere (exact); other Partial ops keep it everywhere."""
+    mesh = device_mesh
+    if placements is None:
+        placements = (Replicate(),) * mesh.ndim
+    targets = normalize_placements(placements, tensor.ndim, mesh.shape, _rank())
+    layout = default_layout(tuple(tensor.shape), targets, mesh.shape)
+    local = tensor[layout.local_slices(mesh.coordinate)]
+    for m, p in enumerate(targets):
+        if isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0:
+            local = array_namespace(local).zeros_like(local)
+    return DTensor(array_namespace(local).ascontiguousarray(local), mesh, layout)
+
+
+def from_local(
+    local: Any,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement] | None = None,
+    *,
+    run_check: bool = True,
+    shape: Sequence[int] | None = None,
+) -> DTensor:
+    """A DTensor from every rank's piece. With ``run_check`` (the default) the ranks of the mesh
+    exchange their local shapes, dtypes and placements: shard sizes are taken from what the
+    ranks hold (uneven allowed) and any disagreement raises on every rank, naming the ranks.
+    Without it, pieces are assumed to follow the array_split rule over ``shape`` (or to be
+    equal when ``shape`` is None), and only this rank's piece is checked."""
+    mesh = device_mesh
+    rank = _rank()
+    if placements is None:
+        placements = (Replicate(),) * mesh.ndim
+    targets = normalize_placements(placements, local.ndim, mesh.shape, rank)
+    if run_check:
+        layout = _checked_layout(local, mesh, targets, shape)
+    else:
+        if shape is None:
+            shape = list(local.shape)
+            for m, p in enumerate(targets):
+                if isinstance(p, Shard):
+                    shape[p.dim] *= mesh.shape[m]
+        layout = default_layout(tuple(int(s) for s in shape), targets, mesh.shape)
+        expected = layout.local_shape(mesh.coordinate)
+        if tuple(local.shape) != expected:
+            raise ValueError(
+                f"rank {rank}: from_local got a local piece of shape {tuple(local.shape)}, but "
+                f"{list(targets)} of a {layout.shape} tensor gives this rank {expected} by the "
+                "array_split rule; pass run_check=True to take the sizes from the ranks"
+            )
+    return DTensor(local, mesh, layout)
+
+
+def _checked_layout(local, mesh: DeviceMesh, placements, shape) -> Layout:
+    info = [(dist.get_rank(), mesh.coordinate, tuple(local.shape), str(local.dtype), placements)]
+    for m in range(mesh.ndim):
+        gathered = dist.all_gather_object(info, group=mesh.get_group(m))
+        info = [item for part in gathered for item in part]
+    by_coord = {coord: (r, s, dt, pl) for r, coord, s, dt, pl in info}
+
+    def fail(message: str):
+        raise ValueError(f"rank {dist.get_rank()}: from_local: {message}")
+
+    first = info[0]
+    for r, _, s, dt, pl in info:
+        if pl != first[4]:
+            fail(f"rank {first[0]} passes placements {list(first[4])}, rank {r} {list(pl)}")
+        if dt != first[3]:
+            fail(f"rank {first[0]} has dtype {first[3]}, rank {r} {dt}")
+        if len(s) != len(first[2]):
+            fail(f"rank {first[0]} has a {len(first[2])}-d piece, rank {r} a {len(s)}-d one")
+    sharded = {p.dim: m for m, p in enumerate(placements) if isinstance(p, Shard)}
+    global_shape = list(first[2])
+    sizes: list[tuple[int, ...] | None] = [None] * mesh.ndim
+    for d in range(len(global_shape)):
+        if d not in sharded:
+            for r, _, s, _, _ in info:
+                if s[d] != first[2][d]:
+                    fail(
+                        f"dimension {d} is not sharded but rank {first[0]} has shape "
+                        f"{first[2]} and rank {r} {s}; give every rank the same size there"
+                    )
+            continue
+        m = sharded[d]
+        per: dict[int, tuple[int, int]] = {}
+        for coord, (r, s, _, _) in sorted(by_coord.items()):
+            k = coord[m]
+            if k in per and per[k][1] != s[d]:
+                fail(
+                    f"ranks {per[k][0]} and {r} share index {k} of mesh dimension {m} but hold "
+                    f"{per[k][1]} and {s[d]} entries of the sharded dimension {d}"
+                )
+            per.setdefault(k, (r, s[d]))
+        sizes[m] = tuple(per[k][1] for k in range(mesh.shape[m]))
+        global_shape[d] = sum(sizes[m])
+    if shape is not None and tuple(shape) != tuple(global_shape):
+        fail(
+            f"shape={tuple(shape)} but the ranks' pieces make {tuple(global_shape)} "
+            f"(pieces: {sorted((r, s) for r, _, s, _, _ in info)})"
+        )
+    return Layout(tuple(global_shape), placements, tuple(sizes))
+
+
+DTensor.from_local = staticmethod(from_local)  # torch's spelling: DTensor.from_local(...)
+
+
+def redistribute_plan(
+    src: DTensor, placements: Sequence[Placement], cost: CostModel | None = None
+) -> Plan:
+    """The plan ``src.redistribute(placements=...)`` will run (see :class:`Plan`)."""
+    return src.redistribute_plan(placements, cost)

@@ -1,0 +1,122 @@
+"""Where every element of a DTensor lives: global shape, one placement per mesh dimension and,
+for each ``Shard``, the size of every rank's piece.
+
+The sizes are data, never guessed from the local shapes of other ranks: by default numpy's
+``array_split`` rule (5 rows over 4 ranks: 2, 1, 1, 1; zero-size pieces allowed), or the sizes
+``from_local`` found. Each tensor dimension is sharded by at most one mesh dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .placements import Partial, Placement, Replicate, Shard
+
+
+def split_sizes(length: int, parts: int) -> tuple[int, ...]:
+    """numpy's ``array_split`` sizes: the first ``length % parts`` pieces get one more."""
+    base, extra = divmod(length, parts)
+    return tuple(base + 1 if i < extra else base for i in range(parts))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A hashable description of a DTensor's distribution (the plan cache's key)."""
+
+    shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    #: per mesh dimension: the sizes of the pieces along the sharded tensor dimension, or None
+    sizes: tuple[tuple[int, ...] | None, ...]
+
+    def __hash__(self) -> int:
+        # plan-cache keys are hashed on every redistribute: compute it once
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash((self.shape, self.placements, self.sizes))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
+        shape = list(self.shape)
+        for m, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                shape[p.dim] = self.sizes[m][coordinate[m]]
+        return tuple(shape)
+
+    def local_slices(self, coordinate: Sequence[int]) -> tuple[slice, ...]:
+        """This coordinate's piece of the global tensor, as slices."""
+        index = [slice(None)] * len(self.shape)
+        for m, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                sizes = self.sizes[m]
+                start = sum(sizes[: coordinate[m]])
+                index[p.dim] = slice(start, start + sizes[coordinate[m]])
+        return tuple(index)
+
+    def with_placement(self, mesh_dim: int, placement: Placement, sizes=None) -> Layout:
+        placements = list(self.placements)
+        all_sizes = list(self.sizes)
+        placements[mesh_dim] = placement
+        all_sizes[mesh_dim] = sizes
+        return Layout(self.shape, tuple(placements), tuple(all_sizes))
+
+    def __repr__(self) -> str:
+        uneven = [f"{m}:{s}" for m, s in enumerate(self.sizes) if s is not None and len(set(s)) > 1]
+        extra = f", sizes {{{', '.join(uneven)}}}" if uneven else ""
+        return f"Layout({self.shape}, {list(self.placements)}{extra})"
+
+
+def normalize_placements(
+    placements: Sequence[Placement], ndim: int, mesh_shape: tuple[int, ...], rank: int
+) -> tuple[Placement, ...]:
+    """Check ``placements`` against the mesh and the tensor; turn ``Shard(-1)`` into
+    ``Shard(ndim - 1)``."""
+    placements = tuple(placements)
+    if len(placements) != len(mesh_shape):
+        raise ValueError(
+            f"rank {rank}: {len(placements)} placements {list(placements)} for a mesh of "
+            f"{len(mesh_shape)} dimensions {mesh_shape}; give one per mesh dimension"
+        )
+    out: list[Placement] = []
+    sharded: dict[int, int] = {}
+    for m, p in enumerate(placements):
+        if not isinstance(p, Placement):
+            raise TypeError(f"rank {rank}: placement {p!r} is not a Shard, Replicate or Partial")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(
+                    f"rank {rank}: Shard({p.dim}) on mesh dimension {m}: the tensor has "
+                    f"{ndim} dimension(s)"
+                )
+            p = Shard(p.dim % ndim)
+            if p.dim in sharded:
+                raise ValueError(
+                    f"rank {rank}: tensor dimension {p.dim} is sharded on mesh dimensions "
+                    f"{sharded[p.dim]} and {m}; shard each tensor dimension on one mesh "
+                    "dimension (or flatten those mesh dimensions into one)"
+                )
+            sharded[p.dim] = m
+        out.append(p)
+    ops = {p.op for p in out if isinstance(p, Partial)}
+    if len(ops) > 1 and not ops <= {"sum", "avg"}:
+        raise ValueError(
+            f"rank {rank}: placements {list(out)} mix Partial ops {sorted(ops)} whose order of "
+            "reduction matters; reduce one (redistribute it to Replicate) first"
+        )
+    return tuple(out)
+
+
+def default_layout(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> Layout:
+    sizes = tuple(
+        split_sizes(shape[p.dim], mesh_shape[m]) if isinstance(p, Shard) else None
+        for m, p in enumerate(placements)
+    )
+    return Layout(tuple(shape), placements, sizes)
+
+
+def replicated(shape: tuple[int, ...], mesh_ndim: int) -> Layout:
+    return Layout(tuple(shape), (Replicate(),) * mesh_ndim, (None,) * mesh_ndim)

@@ -1,0 +1,270 @@
+"""Local operations on DTensors and the placements of their results.
+
+Every rule maps the operands' placements on each mesh dimension to the result's without
+communicating; where no rule exists the error names the mesh dimension and the redistribute
+that would make one apply (placements never change behind the user's back).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..nn.module import array_namespace
+from .api import DTensor, _rank
+from .layout import Layout
+from .placements import Partial, Placement, Replicate, Shard
+
+_LINEAR = ("sum", "avg")
+
+
+def _fail(message: str):
+    raise ValueError(f"rank {_rank()}: {message}")
+
+
+def _same_mesh(a: DTensor, b: DTensor, what: str) -> None:
+    if a.device_mesh is not b.device_mesh and a.device_mesh != b.device_mesh:
+        _fail(
+            f"{what} mixes DTensors of two meshes ({a.device_mesh!r} and {b.device_mesh!r}); "
+            "build both on one mesh"
+        )
+
+
+def _scalar(x: Any) -> bool:
+    return isinstance(x, (int, float, np.number)) or (isinstance(x, np.ndarray) and x.ndim == 0)
+
+
+# -- elementwise -----------------------------------------------------------------------------
+
+
+def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor:
+    if isinstance(a, DTensor) and isinstance(b, DTensor):
+        _same_mesh(a, b, name)
+        if a.shape != b.shape:
+            _fail(f"{name} of DTensors of shapes {a.shape} and {b.shape}: shapes must be equal")
+        placements = []
+        for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
+            if pa == pb and not isinstance(pa, Partial):
+                if a.layout.sizes[m] != b.layout.sizes[m]:
+                    _fail(
+                        f"{name}: mesh dimension {m} shards with sizes {a.layout.sizes[m]} and "
+                        f"{b.layout.sizes[m]}; redistribute one to the other's layout"
+                    )
+                placements.append(pa)
+            elif pa == pb and name in ("add", "sub") and pa.op in _LINEAR:
+                placements.append(pa)
+            elif (
+                name in ("mul", "div")
+                and isinstance(pa, Partial)
+                and pa.op in _LINEAR
+                and isinstance(pb, Replicate)
+            ):
+                placements.append(pa)
+            elif (
+                name == "mul" and isinstance(pb, Partial) and pb.op in _LINEAR and pa == Replicate()
+            ):
+                placements.append(pb)
+            else:
+                _fail(
+                    f"{name} of {pa!r} and {pb!r} on mesh dimension {m} has no local rule; "
+                    "redistribute the operands to equal placements (Partial to Replicate) first"
+                )
+        layout = Layout(a.shape, tuple(placements), a.layout.sizes)
+        return DTensor(fn(a.to_local(), b.to_local()), a.device_mesh, layout)
+    x, scalar = (a, b) if isinstance(a, DTensor) else (b, a)
+    if not _scalar(scalar):
+        _fail(f"{name} of a DTensor and a {type(scalar).__name__}: use a scalar or a DTensor")
+    for m, p in enumerate(x.placements):
+        if not isinstance(p, Partial):
+            continue
+        ok = {
+            "sum": name in ("mul", "div") and x is a,
+            "avg": name in ("add", "sub", "mul") or (name == "div" and x is a),
+            "max": name in ("add", "sub") or (name in ("mul", "div") and x is a and scalar > 0),
+            "min": name in ("add", "sub") or (name in ("mul", "div") and x is a and scalar > 0),
+        }[p.op]
+        if not ok:
+            _fail(
+                f"{name} of {p!r} (mesh dimension {m}) and a scalar would change the reduced "
+                "value; redistribute to Replicate first"
+            )
+    return DTensor(fn(a.to_local() if a is x else a, b.to_local() if b is x else b),
+                   x.device_mesh, x.layout)  # fmt: skip
+
+
+def add(a, b):
+    return _binary("add", a, b, lambda x, y: x + y)
+
+
+def sub(a, b):
+    return _binary("sub", a, b, lambda x, y: x - y)
+
+
+def mul(a, b):
+    return _binary("mul", a, b, lambda x, y: x * y)
+
+
+def div(a, b):
+    return _binary("div", a, b, lambda x, y: x / y)
+
+
+def neg(x: DTensor) -> DTensor:
+    """``-x``: negating the terms of a max gives the min of the negated terms."""
+    flip = {"max": "min", "min": "max"}
+    placements = tuple(
+        Partial(flip.get(p.op, p.op)) if isinstance(p, Partial) else p for p in x.placements
+    )
+    return DTensor(-x.to_local(), x.device_mesh, Layout(x.shape, placements, x.layout.sizes))
+
+
+def elementwise(fn: Callable[[Any], Any], x: DTensor) -> DTensor:
+    """``fn`` applied to every element (any unary function of the local array: exp, tanh,
+    GELU...). Partial operands are refused: ``fn`` of a sum is not the sum of ``fn``."""
+    for m, p in enumerate(x.placements):
+        if isinstance(p, Partial):
+            _fail(
+                f"elementwise {getattr(fn, '__name__', fn)} of {p!r} on mesh dimension {m}; "
+                "redistribute to Replicate first"
+            )
+    out = fn(x.to_local())
+    if tuple(out.shape) != tuple(x.to_local().shape):
+        _fail("elementwise functions must keep the shape of their input")
+    return DTensor(out, x.device_mesh, x.layout)
+
+
+def transpose(x: DTensor) -> DTensor:
+    """Reverse the dimensions (``x.T``)."""
+    n = x.ndim
+    placements = tuple(Shard(n - 1 - p.dim) if isinstance(p, Shard) else p for p in x.placements)
+    layout = Layout(tuple(reversed(x.shape)), placements, x.layout.sizes)
+    return DTensor(x.to_local().T, x.device_mesh, layout)
+
+
+# -- reductions ------------------------------------------------------------------------------
+
+
+def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    for a in axes:
+        if not -ndim <= a < ndim:
+            _fail(f"axis {a} does not exist in a {ndim}-d DTensor")
+    return tuple(sorted({a % ndim for a in axes}))
+
+
+def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool) -> DTensor:
+    axes = _axes(axis, x.ndim)
+    partial_op = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}[name]
+    placements: list[Placement] = []
+    sizes = list(x.layout.sizes)
+    reduced_sharded = False
+    for m, p in enumerate(x.placements):
+        if isinstance(p, Shard) and p.dim in axes:
+            placements.append(Partial(partial_op))
+            sizes[m] = None
+            reduced_sharded = True
+        elif isinstance(p, Shard):
+            dim = p.dim if keepdims else p.dim - builtins.sum(1 for a in axes if a < p.dim)
+            placements.append(Shard(dim))
+        elif isinstance(p, Partial):
+            if (name in ("sum", "mean") and p.op in _LINEAR) or p.op == name:
+                placements.append(p)
+            else:
+                _fail(
+                    f"{name} of {p!r} on mesh dimension {m} is not the {p.op} of the terms' "
+                    f"{name}s; redistribute to Replicate first"
+                )
+        else:
+            placements.append(p)
+    local = x.to_local()
+    xp = array_namespace(local)
+    if name in ("sum", "mean"):
+        out = xp.sum(local, axis=axes, keepdims=keepdims)
+        if name == "mean":
+            count = int(np.prod([x.shape[a] for a in axes]))
+            out = out / count if reduced_sharded else xp.mean(local, axis=axes, keepdims=keepdims)
+    else:
+        dtype = np.dtype(local.dtype)
+        info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+        identity = (
+            (-np.inf if dtype.kind == "f" else info.min)
+            if name == "max"
+            else (np.inf if dtype.kind == "f" else info.max)
+        )
+        if any(local.shape[a] == 0 for a in axes):  # an empty piece of an uneven shard
+            kept = [1 if d in axes else n for d, n in enumerate(local.shape)]
+            out = xp.full(kept, identity, dtype=local.dtype)
+            if not keepdims:
+                out = out.reshape([n for d, n in enumerate(kept) if d not in axes])
+        else:
+            out = getattr(xp, name)(local, axis=axes, keepdims=keepdims)
+    shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape) if keepdims or d not in axes)
+    out = xp.asarray(out, dtype=local.dtype if name != "mean" else out.dtype)
+    return DTensor(out, x.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))
+
+
+def sum(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:  # noqa: A001
+    return _reduce("sum", x, axis, keepdims)
+
+
+def mean(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:
+    return _reduce("mean", x, axis, keepdims)
+
+
+def max(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:  # noqa: A001
+    return _reduce("max", x, axis, keepdims)
+
+
+def min(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:  # noqa: A001
+    return _reduce("min", x, axis, keepdims)
+
+
+# -- matmul ----------------------------------------------------------------------------------
+
+
+def matmul(a: DTensor, b: DTensor) -> DTensor:
+    """``a @ b`` for ``a`` of shape (..., m, k) and a 2-d ``b`` (k, n), with the sharding rules
+    of tensor parallelism: ``Shard(-1) @ Shard(0)`` gives ``Partial()`` (row-parallel),
+    ``Replicate() @ Shard(1)`` gives ``Shard(-1)`` (column-parallel), a sharded batch or row
+    dimension of ``a`` passes through a replicated ``b``, and a linear Partial passes through
+    a replicated other operand."""
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
+        _fail("matmul takes two DTensors")
+    _same_mesh(a, b, "matmul")
+    if a.ndim < 2 or b.ndim != 2 or a.shape[-1] != b.shape[0]:
+        _fail(f"matmul of shapes {a.shape} and {b.shape}: expected (..., m, k) @ (k, n)")
+    k = a.ndim - 1
+    shape = a.shape[:-1] + (b.shape[1],)
+    placements: list[Placement] = []
+    sizes: list[Any] = []
+    for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
+        sa, sb = a.layout.sizes[m], b.layout.sizes[m]
+        if isinstance(pa, Replicate) and isinstance(pb, Replicate):
+            placements.append(pa), sizes.append(None)
+        elif pa == Shard(k) and pb == Shard(0):
+            if sa != sb:
+                _fail(
+                    f"matmul: mesh dimension {m} shards the contracted dimension with sizes {sa} "
+                    f"and {sb}; they must match"
+                )
+            placements.append(Partial()), sizes.append(None)
+        elif isinstance(pa, Replicate) and pb == Shard(1):
+            placements.append(Shard(len(shape) - 1)), sizes.append(sb)
+        elif isinstance(pa, Shard) and pa.dim < k and isinstance(pb, Replicate):
+            placements.append(pa), sizes.append(sa)
+        elif isinstance(pa, Partial) and pa.op in _LINEAR and isinstance(pb, Replicate):
+            placements.append(pa), sizes.append(None)
+        elif isinstance(pa, Replicate) and isinstance(pb, Partial) and pb.op in _LINEAR:
+            placements.append(pb), sizes.append(None)
+        else:
+            _fail(
+                f"matmul of {pa!r} @ {pb!r} on mesh dimension {m} has no local rule; "
+                "redistribute one operand (to Replicate, or the contracted dimensions to Shard "
+                "on both) first"
+            )
+    out = a.to_local() @ b.to_local()
+    return DTensor(out, a.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))

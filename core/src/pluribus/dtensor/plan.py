@@ -1,0 +1,202 @@
+"""Redistribute plans: the collectives that turn one layout into another, one mesh dimension at a
+time, with their byte counts and an alpha-beta estimate of their time.
+
+Each mesh dimension changes with its cheapest step: Shard->Replicate all-gather,
+Partial->Replicate all-reduce, Partial->Shard reduce-scatter, Shard(i)->Shard(j) (or the same
+dimension with other sizes) all-to-all, Replicate->Shard and Replicate->Partial local. Steps that
+shrink the data go first and all-gathers last, so later steps move less; where two mesh
+dimensions trade tensor dimensions (Shard(0), Shard(1) -> Shard(1), Shard(0)) one of them is
+gathered first, because a tensor dimension is sharded by one mesh dimension at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .layout import Layout
+from .placements import Partial, Placement, Replicate, Shard
+
+#: step kinds in the order the planner prefers them (cheapest and most shrinking first)
+_ORDER = {
+    "shard_local": 0,
+    "partial_local": 1,
+    "reduce_scatter": 2,
+    "all_reduce": 3,
+    "all_to_all": 4,
+    "all_gather": 5,
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``alpha`` seconds per message, ``beta`` seconds per byte (ring algorithms). The defaults
+    are gloo's over loopback TCP on the machines of BENCHMARKS.md, to within a factor of two."""
+
+    alpha: float = 30e-6
+    beta: float = 1 / 1.5e9
+
+
+DEFAULT_COST = CostModel()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local operation) on one mesh dimension."""
+
+    kind: str  # a key of _ORDER
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+    group_size: int
+    #: bytes this rank puts into the collective (its input), and takes out of it
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    src_sizes: tuple[int, ...] | None = None
+    dst_sizes: tuple[int, ...] | None = None
+    #: every piece of the sharded side the same size (the collectives' single-array form)
+    even: bool = False
+
+    @property
+    def collective(self) -> str | None:
+        """The public collective this step calls, or None for a local step."""
+        return None if self.kind.endswith("_local") else self.kind
+
+    def __str__(self) -> str:
+        what = self.collective or "local"
+        return (
+            f"mesh dim {self.mesh_dim}: {self.src!r} -> {self.dst!r}: {what} over "
+            f"{self.group_size} ranks, {self.bytes_in:,} B in, {self.bytes_out:,} B out, "
+            f"~{self.seconds * 1e6:.1f} us"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``redistribute`` from ``src`` to ``dst`` will do on this rank, step by step."""
+
+    src: Layout
+    dst: Layout
+    steps: tuple[Step, ...]
+    #: the layout before each step, and the final one
+    layouts: tuple[Layout, ...] = field(repr=False)
+
+    @property
+    def cost(self) -> float:
+        """Predicted seconds (alpha-beta)."""
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def collectives(self) -> list[str]:
+        return [s.collective for s in self.steps if s.collective]
+
+    def __str__(self) -> str:
+        lines = [f"redistribute {self.src} -> {self.dst}: ~{self.cost * 1e6:.1f} us"]
+        lines += [f"  {i}. {s}" for i, s in enumerate(self.steps, 1)]
+        if not self.steps:
+            lines.append("  (nothing to do)")
+        return "\n".join(lines)
+
+
+def _volume(layout: Layout, coordinate, itemsize: int) -> int:
+    return math.prod(layout.local_shape(coordinate)) * itemsize
+
+
+def _kind(src: Placement, dst: Placement) -> str:
+    if isinstance(src, Shard):
+        return "all_to_all" if isinstance(dst, Shard) else "all_gather"
+    if isinstance(src, Partial):
+        if isinstance(dst, Shard):
+            return "reduce_scatter"
+        return "all_reduce"  # to Replicate, or to Partial with another op (via Replicate)
+    return "shard_local" if isinstance(dst, Shard) else "partial_local"
+
+
+def _ring_seconds(kind: str, p: int, nbytes: int, cost: CostModel) -> float:
+    """alpha-beta time of a ring collective over ``p`` ranks moving ``nbytes`` (the largest
+    per-rank whole: gathered output, reduced input, or all-to-all input)."""
+    if kind.endswith("_local") or p == 1:
+        return 0.0
+    share = (p - 1) / p * nbytes
+    if kind == "all_reduce":
+        return 2 * (p - 1) * cost.alpha + 2 * share * cost.beta
+    return (p - 1) * cost.alpha + share * cost.beta
+
+
+def make_plan(
+    src: Layout,
+    dst: Layout,
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    itemsize: int,
+    cost: CostModel = DEFAULT_COST,
+) -> Plan:
+    """The cheapest sequence of steps from ``src`` to ``dst`` (both checked already)."""
+    state = src
+    pending = [
+        m
+        for m in range(len(mesh_shape))
+        if src.placements[m] != dst.placements[m] or src.sizes[m] != dst.sizes[m]
+    ]
+    steps: list[Step] = []
+    layouts: list[Layout] = []
+
+    def sharded_elsewhere(dim: int, m: int) -> bool:
+        return any(
+            isinstance(p, Shard) and p.dim == dim and k != m for k, p in enumerate(state.placements)
+        )
+
+    def add(m: int, target: Placement, target_sizes) -> None:
+        nonlocal state
+        p_from = state.placements[m]
+        kind = _kind(p_from, target)
+        after = state.with_placement(m, target, target_sizes)
+        before_bytes = _volume(state, coordinate, itemsize)
+        after_bytes = _volume(after, coordinate, itemsize)
+        p = mesh_shape[m]
+        if kind == "all_gather":
+            whole = after_bytes
+        elif kind == "all_to_all":
+            whole = max(before_bytes, after_bytes)
+        else:
+            whole = before_bytes
+        steps.append(
+            Step(
+                kind,
+                m,
+                p_from,
+                target,
+                p,
+                before_bytes,
+                after_bytes,
+                _ring_seconds(kind, p, whole, cost),
+                state.sizes[m],
+                target_sizes,
+                len(set(state.sizes[m] or target_sizes or (0,))) == 1,
+            )
+        )
+        layouts.append(state)
+        state = after
+
+    while pending:
+        ready = []
+        for m in pending:
+            target = dst.placements[m]
+            if isinstance(target, Shard) and sharded_elsewhere(target.dim, m):
+                continue
+            ready.append((_ORDER[_kind(state.placements[m], target)], m))
+        if not ready:  # mesh dimensions trading tensor dimensions: gather one first
+            m = min(pending)
+            add(m, Replicate(), None)
+            continue
+        _, m = min(ready)
+        pending.remove(m)
+        target, src_p = dst.placements[m], state.placements[m]
+        if isinstance(src_p, Partial) and isinstance(target, Partial):
+            add(m, Replicate(), None)  # Partial(op1) -> Partial(op2): reduce, then split again
+        if isinstance(src_p, Shard) and isinstance(target, Partial):
+            add(m, Replicate(), None)
+        add(m, target, dst.sizes[m])
+    layouts.append(state)
+    return Plan(src, dst, tuple(steps), tuple(layouts))

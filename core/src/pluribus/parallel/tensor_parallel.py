@@ -1,0 +1,358 @@
+"""Tensor parallelism for ``pluribus.nn``: Linear layers, attention heads and the transformer
+MLP split over a 1-d mesh, as torch's ``parallelize_module`` does.
+
+Parameters keep their names and become this rank's pieces (``full_parameter`` puts one back
+together). The communication is a DTensor redistribute at each boundary: a column-parallel
+layer takes a replicated input and gives a shard of the output features, whose input gradient is
+a ``Partial`` sum (one all-reduce in backward); a row-parallel layer takes that shard and gives a
+``Partial`` output (one all-reduce in forward) before its bias is added once. An MLP or an
+attention block thus costs one all-reduce in forward and one in backward.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+from .. import distributed as dist
+from ..device_mesh import DeviceMesh
+from ..dtensor import Partial, Placement, Replicate, Shard, from_local
+from ..dtensor.layout import split_sizes
+from ..nn.layers import Linear
+from ..nn.module import Module, Parameter, array_namespace
+from ..nn.transformer import CausalSelfAttention
+
+
+def _rank_text(mesh: DeviceMesh) -> str:
+    return f"rank {dist.get_rank()}"
+
+
+def _move(array: Any, mesh: DeviceMesh, src: Placement, dst: Placement, full: int) -> Any:
+    """``array`` (this rank's piece in ``src``, ``full`` entries along the last dimension when
+    sharded) redistributed to ``dst`` along the mesh."""
+    if src == dst:
+        return array
+    shape: list[int] | None = list(array.shape)
+    if isinstance(src, Shard):
+        if src.dim % len(shape) == len(shape) - 1:
+            shape[-1] = full
+        else:
+            shape = None  # sequence parallel: equal pieces of the batch or time dimension
+    dt = from_local(array, mesh, [src], run_check=False, shape=shape)
+    return dt.redistribute(placements=[dst]).to_local()
+
+
+def _piece(array: Any, dim: int, mesh: DeviceMesh, chunks: int) -> Any:
+    """This rank's part of ``array`` along ``dim``: of each of ``chunks`` equal blocks (q, k and v
+    of a fused projection), the array_split piece."""
+    xp = array_namespace(array)
+    me, p = mesh.get_local_rank(), mesh.size()
+    block = array.shape[dim] // chunks
+    pieces = []
+    for c in range(chunks):
+        sizes = split_sizes(block, p)
+        start = c * block + sum(sizes[:me])
+        index = (slice(None),) * dim + (slice(start, start + sizes[me]),)
+        pieces.append(array[index])
+    return xp.ascontiguousarray(xp.concatenate(pieces, axis=dim))
+
+
+def _shard_parameter(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 1) -> None:
+    param.tp_layout = (mesh, dim, chunks, tuple(param.data.shape))
+    param.data = _piece(param.data, dim, mesh, chunks)
+    param.grad = None
+
+
+def full_parameter(param: Parameter, grad: bool = False) -> Any:
+    """The whole parameter (or its gradient) on every rank, from the pieces of a tensor-parallel
+    layer; a parameter that is not split comes back as it is."""
+    local = param.grad if grad else param.data
+    layout = getattr(param, "tp_layout", None)
+    if layout is None:
+        return local
+    mesh, dim, chunks, shape = layout
+    xp = array_namespace(local)
+    block = shape[dim] // chunks
+    mine = local.shape[dim] // chunks
+    parts = []
+    for c in range(chunks):
+        index = (slice(None),) * dim + (slice(c * mine, (c + 1) * mine),)
+        piece_shape = list(shape)
+        piece_shape[dim] = block
+        piece = xp.ascontiguousarray(local[index])
+        dt = from_local(piece, mesh, [Shard(dim)], run_check=False, shape=piece_shape)
+        parts.append(dt.full_tensor())
+    return xp.concatenate(parts, axis=dim)
+
+
+class ParallelStyle:
+    """How to split one module over a 1-d mesh; ``parallelize_module`` applies it."""
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        raise NotImplementedError
+
+
+def _check_linear(module: Module, mesh: DeviceMesh, style: str) -> None:
+    if not isinstance(module, Linear):
+        raise TypeError(
+            f"{_rank_text(mesh)}: {style} splits nn.Linear layers, got {type(module).__name__}; "
+            "use AttentionParallel or MLPParallel for those blocks"
+        )
+    if getattr(module.weight, "tp_layout", None) is not None:
+        raise ValueError(f"{_rank_text(mesh)}: {module!r} is already tensor-parallel")
+
+
+class ColwiseParallel(ParallelStyle):
+    """Split the output features: weight ``Shard(0)``, bias ``Shard(0)``.
+
+    ``input_layouts``: ``Replicate()`` (default) or ``Shard(d)`` (sequence parallel: the input
+    is gathered first). ``output_layouts``: ``Shard(-1)`` (default: the local features, ready for
+    a row-parallel layer) or ``Replicate()`` (gathered).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+    ):
+        self.input_layout = input_layouts or Replicate()
+        self.output_layout = output_layouts or Shard(-1)
+        self._chunks = 1
+        self._reduce_input_grad = True
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        _check_linear(module, mesh, "ColwiseParallel")
+        if module.out_features % self._chunks:
+            raise ValueError(f"{_rank_text(mesh)}: cannot split {module!r} in {self._chunks}")
+        full_out = module.out_features
+        _shard_parameter(module.weight, 0, mesh, self._chunks)
+        if module.bias is not None:
+            _shard_parameter(module.bias, 0, mesh, self._chunks)
+        module.out_features = int(module.weight.data.shape[0])
+        inp, out, features = self.input_layout, self.output_layout, module.in_features
+        if inp != Replicate():
+            module.register_forward_pre_hook(
+                lambda m, args: (_move(args[0], mesh, inp, Replicate(), features),)
+            )
+        if out != Shard(-1):
+            if self._chunks != 1:
+                raise ValueError(f"{_rank_text(mesh)}: a fused projection keeps Shard(-1)")
+            module.register_forward_hook(
+                lambda m, args, y: _move(y, mesh, Shard(-1), out, full_out)
+            )
+            module.register_full_backward_pre_hook(
+                lambda m, g: (_move(g[0], mesh, out, Shard(-1), full_out),)
+            )
+        if self._reduce_input_grad:
+            module.register_full_backward_hook(
+                lambda m, gi, go: (_move(gi[0], mesh, Partial(), inp, features),)
+            )
+        return module
+
+
+class _RowwiseLinear(Linear):
+    """A Linear whose partial products are reduced before the bias is added (once)."""
+
+    def forward(self, x: Any) -> Any:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self!r} (row-parallel) expects this rank's {self.in_features} input features, "
+                f"got shape {tuple(x.shape)}"
+            )
+        self.save_for_backward(input=x)
+        y = self._tp_reduce(x @ self.weight.data.T)
+        if self.bias is not None:
+            y = y + self.bias.data
+        return y
+
+
+class RowwiseParallel(ParallelStyle):
+    """Split the input features: weight ``Shard(1)``, bias replicated and added after the sum.
+
+    ``input_layouts``: ``Shard(-1)`` (default: what a column-parallel layer gives) or
+    ``Replicate()`` (sliced locally). ``output_layouts``: ``Replicate()`` (default: an
+    all-reduce) or ``Shard(d)`` (sequence parallel: a reduce-scatter).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+    ):
+        self.input_layout = input_layouts or Shard(-1)
+        self.output_layout = output_layouts or Replicate()
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        _check_linear(module, mesh, "RowwiseParallel")
+        full_in = module.in_features
+        _shard_parameter(module.weight, 1, mesh)
+        module.in_features = int(module.weight.data.shape[1])
+        inp, out, features = self.input_layout, self.output_layout, module.out_features
+        module.__class__ = _RowwiseLinear
+        module._tp_reduce = lambda y: _move(y, mesh, Partial(), out, features)
+        if inp != Shard(-1):
+            module.register_forward_pre_hook(
+                lambda m, args: (_move(args[0], mesh, inp, Shard(-1), full_in),)
+            )
+            module.register_full_backward_hook(
+                lambda m, gi, go: (_move(gi[0], mesh, Shard(-1), inp, full_in),)
+            )
+        if out != Replicate():
+            module.register_full_backward_pre_hook(
+                lambda m, g: (_move(g[0], mesh, out, Replicate(), features),)
+            )
+        return module
+
+
+class AttentionParallel(ParallelStyle):
+    """Split a :class:`~pluribus.nn.CausalSelfAttention` by heads: the q, k, v projections
+    column-parallel (each of the three blocks of a fused ``qkv``), ``proj`` row-parallel, and one
+    all-reduce of the input gradient for all three projections.
+
+    ``sequence_dim=d``: input and output are this rank's part of dimension ``d`` (sequence
+    parallelism): gathered on the way in, reduce-scattered on the way out.
+    """
+
+    def __init__(self, *, sequence_dim: int | None = None):
+        self.sequence_dim = sequence_dim
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        if not isinstance(module, CausalSelfAttention):
+            raise TypeError(
+                f"{_rank_text(mesh)}: AttentionParallel splits CausalSelfAttention, got "
+                f"{type(module).__name__}"
+            )
+        tp = mesh.size()
+        if module.num_heads % tp:
+            raise ValueError(
+                f"{_rank_text(mesh)}: {module.num_heads} heads do not split evenly over {tp} "
+                "ranks; pick a tensor-parallel size that divides the number of heads"
+            )
+        projections = [module.qkv] if module.fused_qkv else [module.query, module.key, module.value]
+        for linear in projections:
+            style = ColwiseParallel()
+            style._chunks = 3 if module.fused_qkv else 1
+            style._reduce_input_grad = False
+            style.apply(linear, mesh)
+        outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)
+        RowwiseParallel(output_layouts=outer).apply(module.proj, mesh)
+        module.num_heads //= tp
+        features = module.embed_dim
+        if outer != Replicate():
+            module.register_forward_pre_hook(
+                lambda m, args: (_move(args[0], mesh, outer, Replicate(), features),)
+            )
+        module.register_full_backward_hook(
+            lambda m, gi, go: (_move(gi[0], mesh, Partial(), outer, features),)
+        )
+        return module
+
+
+class MLPParallel(ParallelStyle):
+    """Split a transformer MLP (``Sequential(Linear, activation, Linear, ...)``): the first
+    Linear column-parallel, the last row-parallel, the activation on the local features.
+    ``sequence_dim`` as for :class:`AttentionParallel`."""
+
+    def __init__(self, *, sequence_dim: int | None = None):
+        self.sequence_dim = sequence_dim
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        linears = [m for m in module.children() if isinstance(m, Linear)]
+        if len(linears) != 2:
+            raise TypeError(
+                f"{_rank_text(mesh)}: MLPParallel needs a Sequential with two Linear layers, "
+                f"got {module!r}"
+            )
+        outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)
+        ColwiseParallel(input_layouts=outer).apply(linears[0], mesh)
+        RowwiseParallel(output_layouts=outer).apply(linears[1], mesh)
+        return module
+
+
+class SequenceParallel(ParallelStyle):
+    """A per-token module (LayerNorm, dropout) on this rank's part of the sequence, with its
+    parameters replicated: each gradient it adds is summed over the tensor-parallel ranks
+    (one small all-reduce) before it reaches ``.grad``, so every rank holds the whole one."""
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        for _, param in module.named_parameters():
+
+            def accumulate(grad: Any, param: Parameter = param) -> None:
+                Parameter.accumulate_grad(param, _move(grad, mesh, Partial(), Replicate(), 0))
+
+            param.accumulate_grad = accumulate
+        return module
+
+
+class SequenceSharded(ParallelStyle):
+    """Run a module (the stack of blocks) on this rank's part of dimension ``dim``: its
+    replicated input is sliced on the way in and its output gathered on the way out (and the
+    reverse for gradients). The sequence length must divide by the tensor-parallel size."""
+
+    def __init__(self, dim: int = 1):
+        self.dim = dim
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        part = Shard(self.dim)
+
+        def whole(x: Any, m=mesh) -> Any:
+            return _move(x, m, part, Replicate(), 0)
+
+        def mine(x: Any, m=mesh) -> Any:
+            return _move(x, m, Replicate(), part, 0)
+
+        module.register_forward_pre_hook(lambda m, args: (mine(args[0]),))
+        module.register_forward_hook(lambda m, args, y: whole(y))
+        module.register_full_backward_pre_hook(lambda m, g: (mine(g[0]),))
+        module.register_full_backward_hook(lambda m, gi, go: (whole(gi[0]),))
+        return module
+
+
+def parallelize_module(
+    module: Module, device_mesh: DeviceMesh, parallelize_plan: ParallelStyle | dict[str, Any]
+) -> Module:
+    """Apply ``parallelize_plan`` (a style, or ``{module name pattern: style}`` with fnmatch
+    patterns such as ``"blocks.*.attn"``) on the 1-d ``device_mesh``, in place."""
+    mesh = device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{_rank_text(mesh)}: tensor parallelism takes a 1-d mesh, got {mesh.shape}; pass "
+            'the tensor-parallel slice, e.g. mesh["tp"]'
+        )
+    if isinstance(parallelize_plan, ParallelStyle):
+        return parallelize_plan.apply(module, mesh)
+    names = dict(module.named_modules())
+    for pattern, style in parallelize_plan.items():
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise KeyError(
+                f"{_rank_text(mesh)}: parallelize plan entry {pattern!r} matches no module "
+                f"(modules: {', '.join(n for n in names if n)[:300]})"
+            )
+        for name in matched:
+            style.apply(names[name], mesh)
+    return module
+
+
+def transformer_plan(model: Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan for every block of a GPT or a TransformerBlock: heads and MLP
+    split; embeddings, norms and the head replicated. With ``sequence_parallel`` (a GPT) the
+    blocks run on this rank's part of the sequence: norms and residuals on 1/tp of the tokens,
+    the gathers and reduce-scatters replacing the all-reduces."""
+    plan: dict[str, ParallelStyle] = {}
+    dim = 1 if sequence_parallel else None
+    for name, m in model.named_modules():
+        if isinstance(m, CausalSelfAttention) and name.endswith("attn"):
+            block = name[: -len("attn")]
+            plan[name] = AttentionParallel(sequence_dim=dim)
+            plan[block + "mlp"] = MLPParallel(sequence_dim=dim)
+            if sequence_parallel:
+                plan[block + "ln1"] = SequenceParallel()
+                plan[block + "ln2"] = SequenceParallel()
+    if sequence_parallel:
+        if "blocks" not in dict(model.named_modules()):
+            raise ValueError("sequence_parallel=True takes a GPT (a model with .blocks)")
+        plan["blocks"] = SequenceSharded(1)
+    return plan

@@ -1,0 +1,192 @@
+"""DeviceMesh, DTensor construction, matmul rules, plans and the errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pluribus as pb
+import pytest
+from dtensor_helpers import CountingPlugin
+from pluribus.device_mesh import DeviceMesh
+from pluribus.dtensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    from_local,
+    init_device_mesh,
+    redistribute_plan,
+)
+from pluribus.testing import RanksFailed, run_ranks
+
+
+@pytest.fixture
+def counting():
+    plugin = CountingPlugin()
+    manager = pb.get_plugin_manager()
+    manager.register(plugin, name="test-dtensor-api-counting")
+    yield plugin
+    manager.unregister(name="test-dtensor-api-counting")
+
+
+def _mesh_body():
+    mesh = init_device_mesh("cpu", (2, 3), mesh_dim_names=("dp", "tp"))
+    rank = pb.get_rank()
+    assert mesh.coordinate == divmod(rank, 3)
+    assert mesh.get_local_rank("tp") == rank % 3 and mesh.size("dp") == 2 and mesh.size() == 6
+    tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+    assert tp.ranks == [3 * (rank // 3) + i for i in range(3)]
+    assert dp.ranks == [rank % 3, rank % 3 + 3]
+    again = init_device_mesh("cpu", (2, 3), mesh_dim_names=("dp", "tp"))
+    assert again.get_group("tp") is tp and mesh["tp"].get_group() is tp
+    sub = mesh["tp", "dp"]
+    assert sub.shape == (3, 2) and sub.get_group("dp") is dp
+    assert mesh["dp"].mesh.tolist() == [rank % 3, rank % 3 + 3]
+    # a transposed mesh: the order along a dimension differs from the group's
+    odd = DeviceMesh("cpu", [[5, 4, 3], [2, 1, 0]])
+    x = distribute_tensor(np.arange(12.0).reshape(6, 2), odd, [Shard(0), Shard(1)])
+    np.testing.assert_array_equal(x.full_tensor(), np.arange(12.0).reshape(6, 2))
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_mesh_groups_are_made_once_per_rank_set_and_shared_by_slices(counting):
+    assert run_ranks(_mesh_body, 6) == [True] * 6
+    # per rank: 3 dp groups (2 ranks each) and 2 tp groups, each created once, on its members
+    assert counting.groups_created == 6 * 1 + 3 * 2 + 2 * 3
+
+
+def _matmul_body():
+    mesh = init_device_mesh("cpu", (2,))
+    rng = np.random.default_rng(0)
+    x, w1, w2 = rng.normal(size=(3, 4, 6)), rng.normal(size=(6, 8)), rng.normal(size=(8, 6))
+    xr = distribute_tensor(x, mesh, [Replicate()])
+    h = xr @ distribute_tensor(w1, mesh, [Shard(1)])  # column-parallel
+    assert h.placements == (Shard(2),)
+    y = h @ distribute_tensor(w2, mesh, [Shard(0)])  # row-parallel
+    assert y.placements == (Partial(),)
+    np.testing.assert_allclose(y.full_tensor(), x @ w1 @ w2, rtol=1e-12)
+    rows = distribute_tensor(x, mesh, [Shard(1)]) @ distribute_tensor(w1, mesh, [Replicate()])
+    assert rows.placements == (Shard(1),)
+    np.testing.assert_allclose(rows.full_tensor(), x @ w1, rtol=1e-12)
+    t = distribute_tensor(w1, mesh, [Shard(0)]).T
+    assert t.placements == (Shard(1),) and t.shape == (8, 6)
+    np.testing.assert_array_equal(t.full_tensor(), w1.T)
+    neg = -(distribute_tensor(w1, mesh, [Partial("max")]))
+    assert neg.placements == (Partial("min"),)
+    np.testing.assert_array_equal(neg.full_tensor(), -w1)
+    with pytest.raises(ValueError, match="mesh dimension 0 has no local rule"):
+        distribute_tensor(x, mesh, [Shard(0)]) @ distribute_tensor(w1, mesh, [Shard(0)])
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_matmul_follows_the_tensor_parallel_rules():
+    assert run_ranks(_matmul_body, 2) == [True, True]
+
+
+def _plan_body():
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = distribute_tensor(np.zeros((8, 4), np.float32), mesh, [Partial(), Shard(0)])
+    plan = redistribute_plan(x, [Shard(1), Replicate()])
+    assert plan is x.redistribute_plan([Shard(1), Replicate()])  # cached per layout pair
+    assert [s.kind for s in plan.steps] == ["reduce_scatter", "all_gather"]
+    text = str(plan)
+    assert "reduce_scatter over 2 ranks, 64 B in, 32 B out" in text
+    assert "all_gather over 2 ranks, 32 B in, 64 B out" in text
+    assert plan.cost > 0 and redistribute_plan(x, x.placements).steps == ()
+    y = x.redistribute(placements=[Replicate(), Replicate()], async_op=True)
+    np.testing.assert_array_equal(y.to_local(), np.zeros((8, 4), np.float32))
+    ones = distribute_tensor(np.ones(4), mesh, [Partial(), Replicate()])
+    piece = ones.to_local()
+    summed = ones.redistribute(placements=[Replicate(), Replicate()], donate=True)
+    assert summed.to_local() is piece  # reduced in place: no copy
+    np.testing.assert_array_equal(piece, np.ones(4))
+    with pytest.raises(ValueError, match="donate=True"):
+        ones.to_local()
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_plans_are_readable_cached_and_shrink_before_they_gather():
+    assert run_ranks(_plan_body, 4) == [True] * 4
+
+
+def _errors(case):
+    rank = pb.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    x = np.zeros((4, 2))
+    if case == "placements":
+        distribute_tensor(x, mesh, [Shard(0), Replicate()])
+    elif case == "dim":
+        distribute_tensor(x, mesh, [Shard(2)])
+    elif case == "from_local":
+        from_local(np.zeros((2, 2 + rank)), mesh, [Shard(0)])
+    elif case == "two meshes":
+        other = DeviceMesh("cpu", [1, 0])
+        distribute_tensor(x, mesh, [Replicate()]) + distribute_tensor(x, other, [Replicate()])
+    elif case == "not in mesh":
+        DeviceMesh("cpu", [0])
+    elif case == "mesh shape":
+        init_device_mesh("cpu", (3,))
+    elif case == "partial":
+        distribute_tensor(x, mesh, [Partial()]) + 1.0
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "case, ranks, message",
+    [
+        ("placements", [0, 1], "2 placements .* for a mesh of 1 dimensions"),
+        ("dim", [0, 1], r"Shard\(2\) on mesh dimension 0: the tensor has 2 dimension"),
+        ("from_local", [0, 1], "rank 0 has shape .* and rank 1 .*same size"),
+        ("two meshes", [0, 1], "mixes DTensors of two meshes"),
+        ("not in mesh", [0, 1], "must hold every rank of the world 0..1"),
+        ("mesh shape", [0, 1], r"mesh shape \(3,\) holds 3 ranks but the world has 2"),
+        ("partial", [0, 1], "would change the reduced value; redistribute to Replicate"),
+    ],
+)
+def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, counting):
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_errors, 2, args=(case,))
+    sent = [c for calls in counting.calls.values() for c in calls]
+    if case == "from_local":  # the check itself: one exchange of shapes, then the error
+        assert {c[0] for c in sent} == {"all_gather"}
+    else:
+        assert sent == [], "nothing may be sent before the error"
+    assert sorted(e.rank for e in failed.value.errors) == ranks
+    for e in failed.value.errors:
+        assert e.kind == "ValueError"
+        assert f"rank {e.rank}:" in e.message
+        import re
+
+        assert re.search(message, e.message), e.message
+
+
+def test_dtensor_is_exported_where_users_look():
+    import pluribus.dtensor as dt
+
+    assert dt.DTensor is DTensor and dt.init_device_mesh is init_device_mesh
+    assert DTensor.from_local is from_local
+
+
+def _uneven_on_a_real_backend():
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    reference = np.arange(5 * 7, dtype=np.float32).reshape(5, 7)  # 5 rows over 3: 2, 2, 1
+    x = distribute_tensor(reference, mesh, [Shard(0)])
+    chain = [[Shard(1)], [Partial()], [Shard(0)], [Replicate()], [Partial("max")], [Shard(1)]]
+    for target in chain:
+        x = x.redistribute(placements=target)
+        np.testing.assert_array_equal(x.full_tensor(), reference)
+    rows = [3, 0, 2][pb.get_rank()]  # from_local with the ranks' own sizes, one of them empty
+    start = [0, 3, 3][pb.get_rank()]
+    y = DTensor.from_local(reference[start : start + rows], mesh, [Shard(0)])
+    np.testing.assert_array_equal(y.redistribute(placements=[Shard(1)]).full_tensor(), reference)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_uneven_layouts_on_gloo_processes():
+    pytest.importorskip("pluribus_gloo")
+    assert run_ranks(_uneven_on_a_real_backend, 3, backend="gloo", timeout=100) == [True] * 3

@@ -1,0 +1,206 @@
+"""Tensor parallelism: a split transformer block gives the unsplit block's outputs and
+gradients (threads and gloo, 2 and 4 ranks), with one all-reduce per MLP and attention in each
+direction; a 2-D (dp x tp) GPT training run equals one process."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pluribus as pb
+import pytest
+from dtensor_helpers import CountingPlugin
+from pluribus import nn
+from pluribus.dtensor import Shard, init_device_mesh
+from pluribus.parallel import (
+    ColwiseParallel,
+    DistributedDataParallel,
+    RowwiseParallel,
+    full_parameter,
+    parallelize_module,
+    transformer_plan,
+)
+from pluribus.testing import RanksFailed, run_ranks
+
+
+def _block_parity(fused: bool, counting: CountingPlugin | None):
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),), mesh_dim_names=("tp",))
+    block = nn.TransformerBlock(32, 4, fused_qkv=fused, dtype=np.float64, rng=1)
+    reference = copy.deepcopy(block)
+    parallelize_module(block, mesh, transformer_plan(block))
+    rng = np.random.default_rng(2)
+    x, grad = rng.normal(size=(2, 5, 32)), rng.normal(size=(2, 5, 32))
+    want_y, want_gx = reference.forward(x), None
+    want_gx = reference.backward(grad)
+    mark = counting.mark(pb.get_rank()) if counting else 0
+    y = block.forward(x)
+    gx = block.backward(grad)
+    if counting:
+        issued = [c[0] for c in counting.since(pb.get_rank(), mark)]
+        assert issued == ["all_reduce"] * 4, issued  # mlp and attention, forward and backward
+    np.testing.assert_allclose(y, want_y, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(gx, want_gx, rtol=1e-10, atol=1e-12)
+    shapes = {}
+    for (name, p), (_, q) in zip(
+        block.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        shapes[name] = p.data.shape
+        np.testing.assert_array_equal(full_parameter(p), q.data, err_msg=name)
+        np.testing.assert_allclose(
+            full_parameter(p, grad=True), q.grad, rtol=1e-10, atol=1e-12, err_msg=name
+        )
+    return shapes
+
+
+@pytest.fixture
+def counting():
+    plugin = CountingPlugin()
+    manager = pb.get_plugin_manager()
+    manager.register(plugin, name="test-tp-counting")
+    yield plugin
+    manager.unregister(name="test-tp-counting")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fused", [True, False])
+def test_split_block_equals_the_block_on_threads(world, fused, counting):
+    shapes = run_ranks(_block_parity, world, args=(fused, counting))[0]
+    assert shapes["mlp.0.weight"] == (128 // world, 32)
+    assert shapes["mlp.2.weight"] == (32, 128 // world)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_block_equals_the_block_on_gloo(world):
+    pb_ = pytest.importorskip("pluribus_gloo")
+    del pb_
+    run_ranks(_block_parity, world, backend="gloo", args=(True, None), timeout=100)
+
+
+def _linear_layouts():
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    rng = np.random.default_rng(3)
+    first, second = (
+        nn.Linear(6, 5, dtype=np.float64, rng=4),
+        nn.Linear(5, 3, dtype=np.float64, rng=5),
+    )
+    ref1, ref2 = copy.deepcopy(first), copy.deepcopy(second)
+    # a gathered column-parallel output, then a row-parallel layer slicing it (5 over 2: 3, 2),
+    # scattering its output over the batch (sequence parallel)
+    parallelize_module(first, mesh, ColwiseParallel(output_layouts=pb_replicate()))
+    parallelize_module(
+        second, mesh, RowwiseParallel(input_layouts=pb_replicate(), output_layouts=Shard(0))
+    )
+    x, g = rng.normal(size=(4, 6)), rng.normal(size=(4, 3))
+    y = second.forward(first.forward(x))
+    want = ref2.forward(ref1.forward(x))
+    me = mesh.get_local_rank()
+    np.testing.assert_allclose(y, want[2 * me : 2 * me + 2], rtol=1e-12)
+    gx = first.backward(second.backward(g[2 * me : 2 * me + 2]))
+    np.testing.assert_allclose(gx, ref1.backward(ref2.backward(g)), rtol=1e-10)
+    for p, q in [
+        (first.weight, ref1.weight),
+        (second.weight, ref2.weight),
+        (second.bias, ref2.bias),
+    ]:
+        np.testing.assert_allclose(full_parameter(p, grad=True), q.grad, rtol=1e-10)
+    return True
+
+
+def pb_replicate():
+    from pluribus.dtensor import Replicate
+
+    return Replicate()
+
+
+@pytest.mark.timeout(60)
+def test_linear_styles_with_gathered_and_scattered_layouts_and_uneven_features():
+    assert run_ranks(_linear_layouts, 2) == [True, True]
+
+
+def _bad_heads():
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    parallelize_module(
+        nn.TransformerBlock(24, 3, rng=0), mesh, transformer_plan(nn.TransformerBlock(24, 3, rng=0))
+    )
+
+
+@pytest.mark.timeout(60)
+def test_heads_that_do_not_split_are_refused_on_every_rank():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_bad_heads, 2)
+    assert [e.rank for e in failed.value.errors] == [0, 1]
+    assert all("3 heads do not split evenly over 2 ranks" in e.message for e in failed.value.errors)
+
+
+def _train_gpt(dp: int, tp: int, steps: int):
+    config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
+    model = nn.GPT(config, dtype=np.float64, rng=0)
+    rank = pb.get_rank() if pb.is_initialized() else 0
+    data = np.random.default_rng(5).integers(0, 32, size=(steps, 4, 9))
+    if dp * tp > 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], transformer_plan(model))
+        wrapped = DistributedDataParallel(model, process_group=mesh.get_group("dp"))
+        me = mesh.get_local_rank("dp")
+    else:
+        wrapped, me = model, 0
+    opt = nn.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = nn.CrossEntropyLoss()
+    losses = []
+    per = 4 // dp
+    for step in range(steps):
+        batch = data[step, per * me : per * (me + 1)]
+        logits = wrapped.forward(batch[:, :-1])
+        loss = loss_fn.forward(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
+        wrapped.backward(loss_fn.backward().reshape(logits.shape))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    del rank
+    return losses, {n: full_parameter(p) for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_dp_by_tp_training_equals_one_process():
+    want_losses, want_params = _train_gpt(1, 1, 4)
+    results = run_ranks(_train_gpt, 4, args=(2, 2, 4))
+    for losses, params in results:
+        # each dp rank sees half the batch: the mean of the two halves' losses is the whole's
+        assert len(losses) == 4
+        for name, value in params.items():
+            np.testing.assert_allclose(value, want_params[name], rtol=1e-7, atol=1e-9, err_msg=name)
+    for step in range(4):
+        mean = (results[0][0][step] + results[2][0][step]) / 2
+        assert mean == pytest.approx(want_losses[step], rel=1e-9)
+
+
+def _gpt_sequence_parallel(counting: CountingPlugin):
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
+    model = nn.GPT(config, dtype=np.float64, rng=0)
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, transformer_plan(model, sequence_parallel=True))
+    idx = np.random.default_rng(6).integers(0, 32, size=(2, 8))
+    grad = np.random.default_rng(7).normal(size=(2, 8, 32))
+    want = reference.forward(idx)
+    reference.backward(grad)
+    mark = counting.mark(pb.get_rank())
+    np.testing.assert_allclose(model.forward(idx), want, rtol=1e-10, atol=1e-12)
+    model.backward(grad)
+    kinds = [c[0] for c in counting.since(pb.get_rank(), mark)]
+    assert "all_reduce" in kinds and "reduce_scatter" in kinds  # the norms' gradients; the blocks
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        np.testing.assert_allclose(
+            full_parameter(p, grad=True), q.grad, rtol=1e-9, atol=1e-12, err_msg=name
+        )
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_gpt_equals_the_gpt(world, counting):
+    assert run_ranks(_gpt_sequence_parallel, world, args=(counting,)) == [True] * world
