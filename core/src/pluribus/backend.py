@@ -15,6 +15,7 @@ import zlib
 from typing import Any
 
 from .errors import DistTimeoutError, PeerError
+from .work import Work
 
 # Tags from 0 up to USER_TAG_LIMIT belong to users' send/recv; the core's generic collectives use
 # tags at or above it, so a user's message never matches a collective's.
@@ -75,6 +76,24 @@ class Backend:
             )
         if error:
             raise error[0]
+
+    def start(self, name: str, args: tuple) -> Work | None:
+        """Start operation ``name`` of :data:`~pluribus.operations.OPERATIONS` without waiting
+        and return its Work, or None to let the core run the blocking method on the group's
+        worker thread (the default).
+
+        ``args`` are the operation's arguments in the table's order. The core calls this for
+        ``async_op=True`` when nothing is queued before the call on the group, so a backend
+        whose transport keeps issue order itself (MPI requests, CUDA streams) returns its own
+        Work for the request in flight. The Work's ``wait`` raises the operation's error.
+        """
+        return None
+
+    def unsupported(self, dtype: Any, op: Any) -> str | None:
+        """Why this backend cannot reduce ``dtype`` arrays with ``op`` (a sentence the core
+        puts in a TypeError naming the rank), or None when it can. Asked once per dtype and op
+        on a group, before anything is sent; the default supports everything the core does."""
+        return None
 
     def new_subgroup(self, ranks: list[int], ctx: Any) -> Backend:
         """Return a backend for the group of the given group-local ``ranks`` (this rank is in it).

@@ -20,6 +20,7 @@ from .arrays import check_array, check_op, device_of
 from .backend import USER_TAG_LIMIT
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .operations import OPERATIONS
 from .plugins import default_backend, get_plugin_manager, resolve_backend
 from .store import DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
 from .types import BackendContext, ReduceOp
@@ -354,7 +355,7 @@ def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
     """Check ``op`` on ``array``'s dtype and backend; return the array's device."""
     check_op(op, array.dtype, g.global_rank)
     backend = g.backend_for(array)
-    reason = getattr(backend, "unsupported", lambda dtype, op: None)(np.dtype(array.dtype), op)
+    reason = backend.unsupported(np.dtype(array.dtype), op)
     if reason:
         raise TypeError(f"rank {g.global_rank}: backend {backend.name!r}: {reason}")
     # Keyed by id(op): ReduceOp members live for good (nothing else is stored), and Enum's
@@ -363,16 +364,18 @@ def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
     return device
 
 
-def _issue(g: ProcessGroup, collective: str, device: str, async_op: bool, **arguments: Any):
-    """Run a checked collective: a synchronous call through the group's bound function when it
-    has one, anything else through the per-call hook. Returns the Work for ``async_op``."""
+def _issue(g: ProcessGroup, name: str, device: str, async_op: bool, *args: Any):
+    """Run a checked operation, ``args`` in :data:`OPERATIONS` order: a synchronous call
+    directly when no plugin but the core's implements the hook, anything else through the hook.
+    Returns the Work for ``async_op``."""
     if not async_op:
-        bound = g.bound(collective, device)
-        if bound is not None:
-            bound(*arguments.values())
+        direct = g.direct(name, device)
+        if direct is not None:
+            direct(*args)
             return None
-    hook = getattr(_hook(), f"pluribus_{collective}")
-    work = hook(group=g, async_op=async_op, **arguments)
+    op = OPERATIONS[name]
+    hook = getattr(_hook(), op.hook_name)
+    work = hook(group=g, async_op=async_op, **dict(zip(op.args, args, strict=True)))
     return work if async_op else None
 
 
@@ -390,7 +393,7 @@ def all_reduce(
     if not async_op:
         # The call whose fixed cost users time against raw MPI: after the first call with this
         # array type, dtype and op (under the same plugins), one lookup finds the checked
-        # combination's bound function; contiguity and writability are checked every time.
+        # combination's direct function; contiguity and writability are checked every time.
         try:
             key = (type(array), array.dtype, id(op), plugins.generation)
             bound = g.fast_all_reduce.get(key)
@@ -403,13 +406,12 @@ def all_reduce(
                 return None
     device = _check_reduction(g, array, op, "array")
     if not async_op:
-        bound = g.bound("all_reduce", device)
-        if bound is not None:
-            g.fast_all_reduce[key] = bound
-            bound(array, op)
+        direct = g.direct("all_reduce", device)
+        if direct is not None:
+            g.fast_all_reduce[key] = direct
+            direct(array, op)
             return None
-    work = _hook().pluribus_all_reduce(group=g, array=array, op=op, async_op=async_op)
-    return work if async_op else None
+    return _issue(g, "all_reduce", device, async_op, array, op)
 
 
 def broadcast(
@@ -420,7 +422,7 @@ def broadcast(
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
     local = g.group_rank(src, "src")
-    return _issue(g, "broadcast", device_of(array), async_op, array=array, src=local)
+    return _issue(g, "broadcast", device_of(array), async_op, array, local)
 
 
 def reduce(
@@ -434,7 +436,7 @@ def reduce(
     g = _group(group)
     device = _check_reduction(g, array, op, "array")
     local = g.group_rank(dst, "dst")
-    return _issue(g, "reduce", device, async_op, array=array, dst=local, op=op)
+    return _issue(g, "reduce", device, async_op, array, local, op)
 
 
 def all_gather(
@@ -472,7 +474,7 @@ def all_gather(
             )
         flat_out = output.reshape(-1)
         outputs = [flat_out[i * array.size : (i + 1) * array.size] for i in range(g.size)]
-    return _issue(g, "all_gather", device_of(array), async_op, outputs=outputs, array=array)
+    return _issue(g, "all_gather", device_of(array), async_op, outputs, array)
 
 
 all_gather_into_tensor = all_gather
@@ -516,7 +518,7 @@ def reduce_scatter(
             )
         flat_in = input.reshape(-1)
         inputs = [flat_in[i * output.size : (i + 1) * output.size] for i in range(g.size)]
-    return _issue(g, "reduce_scatter", device, async_op, output=output, inputs=inputs, op=op)
+    return _issue(g, "reduce_scatter", device, async_op, output, inputs, op)
 
 
 reduce_scatter_tensor = reduce_scatter
@@ -543,9 +545,7 @@ def all_to_all(
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
     if outputs[g.rank].size != inputs[g.rank].size:
         raise ValueError(f"rank {r}: outputs[{g.rank}] and inputs[{g.rank}] differ in size")
-    return _issue(
-        g, "all_to_all", device_of(inputs[0]), async_op, outputs=list(outputs), inputs=list(inputs)
-    )
+    return _issue(g, "all_to_all", device_of(inputs[0]), async_op, list(outputs), list(inputs))
 
 
 def all_to_all_single(
@@ -606,9 +606,7 @@ def gather(
         gather_list = list(gather_list)
     elif gather_list is not None:
         raise ValueError(f"rank {r}: gather_list must be None on ranks other than dst={dst}")
-    return _issue(
-        g, "gather", device_of(array), async_op, array=array, outputs=gather_list, dst=local
-    )
+    return _issue(g, "gather", device_of(array), async_op, array, gather_list, local)
 
 
 def scatter(
@@ -639,9 +637,7 @@ def scatter(
         scatter_list = list(scatter_list)
     elif scatter_list is not None:
         raise ValueError(f"rank {r}: scatter_list must be None on ranks other than src={src}")
-    return _issue(
-        g, "scatter", device_of(array), async_op, array=array, inputs=scatter_list, src=local
-    )
+    return _issue(g, "scatter", device_of(array), async_op, array, scatter_list, local)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
@@ -666,18 +662,14 @@ def send(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) 
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
     g.backend_for(array)
-    _hook().pluribus_send(
-        group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag, async_op=False
-    )
+    _issue(g, "send", device_of(array), False, array, _peer(g, dst, "dst", tag), tag)
 
 
 def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
     g = _group(group)
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
-    _hook().pluribus_recv(
-        group=g, array=array, src=_peer(g, src, "src", tag), tag=tag, async_op=False
-    )
+    _issue(g, "recv", device_of(array), False, array, _peer(g, src, "src", tag), tag)
     return src
 
 
@@ -685,18 +677,14 @@ def isend(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0)
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
     g.backend_for(array)
-    return _hook().pluribus_send(
-        group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag, async_op=True
-    )
+    return _issue(g, "send", device_of(array), True, array, _peer(g, dst, "dst", tag), tag)
 
 
 def irecv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     g = _group(group)
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
-    return _hook().pluribus_recv(
-        group=g, array=array, src=_peer(g, src, "src", tag), tag=tag, async_op=True
-    )
+    return _issue(g, "recv", device_of(array), True, array, _peer(g, src, "src", tag), tag)
 
 
 # -- small Python objects -------------------------------------------------------------------------

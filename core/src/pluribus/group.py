@@ -11,7 +11,9 @@ from typing import Any
 from . import plugins
 from .arrays import device_of
 from .backend import Backend
+from .builtin import collectives
 from .errors import PluribusError
+from .operations import OPERATIONS
 from .store import Store
 from .work import CompletedWork, FutureWork, Work
 
@@ -54,11 +56,11 @@ class ProcessGroup:
         self._subgroups = 0
         #: (array type, dtype, id(op)) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
-        #: (array type, dtype, id(op), plugin generation) -> bound all_reduce, for the public
+        #: (array type, dtype, id(op), plugin generation) -> direct all_reduce, for the public
         #: all_reduce's fast path
         self.fast_all_reduce: dict[tuple[Any, Any, int, int], Callable[..., None]] = {}
-        self._bound: dict[tuple[str, str], Callable[..., None] | None] = {}
-        self._bound_generation = -1
+        self._direct: dict[tuple[str, str], Callable[..., None] | None] = {}
+        self._direct_generation = -1
 
     def __repr__(self) -> str:
         return (
@@ -107,18 +109,24 @@ class ProcessGroup:
             f"{device} array; {hint}"
         )
 
-    def bound(self, collective: str, device: str) -> Callable[..., None] | None:
-        """The function that runs synchronous ``collective`` calls for ``device`` arrays, bound
-        once through ``pluribus_bind_collective``; None sends every call through the hooks."""
+    def direct(self, name: str, device: str) -> Callable[..., None] | None:
+        """The function running synchronous ``name`` calls for ``device`` arrays without pluggy,
+        or None when any other plugin implements or wraps the hook (it must see every call) or
+        the core must decide per call. Made once per operation and device, again whenever the
+        plugins change."""
         generation = plugins.generation
-        if generation != self._bound_generation:
-            self._bound = {}
-            self._bound_generation = generation
-        key = (collective, device)
+        if generation != self._direct_generation:
+            self._direct = {}
+            self._direct_generation = generation
+        key = (name, device)
         try:
-            return self._bound[key]
+            return self._direct[key]
         except KeyError:
-            found = self._bound[key] = plugins.bind_collective(self, collective, device)
+            op = OPERATIONS[name]
+            found = None
+            if plugins.core_only(op.hook_name):
+                found = collectives.direct(self, op, device)
+            self._direct[key] = found
             return found
 
     def lane(self, name: Any = "collectives") -> _Lane:

@@ -95,7 +95,7 @@ class PluribusComm(Comm):
         except TypeError as exc:
             return str(exc)
         backend = self.group.backends.get("cpu") or next(iter(self.group.backends.values()))
-        reason = getattr(backend, "unsupported", lambda dtype, op: None)(np.dtype(dtype), op)
+        reason = backend.unsupported(np.dtype(dtype), op)
         return reason or None
 
     def runner(self, collective, case, op, root):

@@ -162,6 +162,7 @@ def _exchange_over_store(group, seq: int, payload: bytes) -> list[bytes]:
 
 class MismatchDetector(CollectiveWrapper):
     def __init__(self):
+        super().__init__()
         self.enabled = enabled_by_env()
         # Keyed by group name and rank: the ranks of the threads backend share this process.
         self._seq: dict[tuple[str, int], int] = defaultdict(int)

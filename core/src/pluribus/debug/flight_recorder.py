@@ -25,28 +25,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..hookspecs import BINDABLE, hookimpl
-from .common import (
-    DESCRIBE,
-    CollectiveCall,
-    CollectiveWrapper,
-    global_rank,
-    set_registered,
-    when_done,
-)
+from ..hookspecs import hookimpl
+from .common import CollectiveCall, CollectiveWrapper, global_rank, set_registered, when_done
 
 SIZE_ENV = "PLURIBUS_FLIGHT_RECORDER"
 DIR_ENV = "PLURIBUS_FLIGHT_RECORDER_DIR"
 DEFAULT_SIZE = 256
-
-
-class ArrayInfo(NamedTuple):
-    """What the buffer keeps of an array: not its memory."""
-
-    shape: tuple[int, ...]
-    dtype: Any
 
 
 def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
@@ -54,18 +40,9 @@ def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
 
 
 # An entry is a list, the cheapest record to make on every call:
-# [seq, group name, call, start, end (None while it runs), error (None unless it failed)].
-# ``call`` is a CollectiveCall, or for a bound call of one array (describe, shape, dtype, the other
-# arguments), made into a CollectiveCall only when the buffer is read.
+# [seq, group name, call (a CollectiveCall), start, end (None while it runs), error (None unless
+# it failed)].
 SEQ, GROUP, CALL, START, END, ERROR = range(6)
-
-
-def _call_of(entry: list) -> CollectiveCall:
-    call = entry[CALL]
-    if isinstance(call, tuple):
-        describe, shape, dtype, rest = call
-        call = entry[CALL] = describe(None, ArrayInfo(shape, dtype), *rest)
-    return call
 
 
 def _finish(entry: list, error: BaseException | None) -> None:
@@ -76,7 +53,7 @@ def _finish(entry: list, error: BaseException | None) -> None:
 
 def entry_dict(entry: list) -> dict[str, Any]:
     """An entry as it is dumped."""
-    c = _call_of(entry)
+    c = entry[CALL]
     end, error = entry[END], entry[ERROR]
     return {
         "seq": entry[SEQ],
@@ -100,6 +77,7 @@ class FlightRecorder(CollectiveWrapper):
     """The recorder plugin; one per process (module-level ``recorder``)."""
 
     def __init__(self, size: int | None = None):
+        super().__init__()
         self.entries: collections.deque[list] = collections.deque(maxlen=1)
         self.enabled = False
         self.configure(size)
@@ -144,36 +122,6 @@ class FlightRecorder(CollectiveWrapper):
         when_done(work, lambda error: self._finished(entry, error))
         return work
 
-    @hookimpl(wrapper=True)
-    def pluribus_bind_collective(self, group, collective, device):
-        """Record a group's bound calls too, without the generic wrapper's generator."""
-        bound = yield
-        if bound is None or not self.enabled:
-            return bound
-        self._first_call(group)
-        describe, name = DESCRIBE[collective], group.name
-        counter = self._counter((name, group.global_rank, True))
-        names = BINDABLE[collective]  # one array first, then plain values: keep a summary
-        one_array = names[:1] == ("array",) and not {"outputs", "inputs"} & set(names)
-
-        def recorded(*args):
-            counter[0] += 1
-            seq = counter[0]
-            if one_array:
-                call = (describe, args[0].shape, args[0].dtype, args[1:])
-            else:
-                call = describe(None, *args)
-            entry = [seq, name, call, time.time(), None, None]
-            self.entries.append(entry)
-            try:
-                bound(*args)
-            except BaseException as exc:
-                self._finished(entry, exc)
-                raise
-            entry[END] = time.time()
-
-        return recorded
-
     def _counter(self, key: tuple[str, int, bool]) -> list[int]:
         # One rank issues a group's calls from one thread, so its counter needs no lock.
         counter = self._seq.get(key)
@@ -184,7 +132,7 @@ class FlightRecorder(CollectiveWrapper):
     def _finished(self, entry: list, error: BaseException | None) -> None:
         _finish(entry, error)
         if error is not None:
-            description = _call_of(entry).describe()
+            description = entry[CALL].describe()
             self.dump(f"{description} on group {entry[GROUP]!r} failed: {error}")
 
     def snapshot(self) -> list[dict[str, Any]]:

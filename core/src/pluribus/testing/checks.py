@@ -7,11 +7,15 @@ ones and twos), so results are compared exactly except for AVG.
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import numpy as np
 
 import pluribus as pb
 from pluribus.arrays import bfloat16_dtype, is_integer_like
 from pluribus.errors import DistTimeoutError, PluribusError
+from pluribus.operations import OPERATIONS, hook_implementations
 
 ReduceOp = pb.ReduceOp
 
@@ -98,8 +102,7 @@ def assert_equal(actual, expected, what: str) -> None:
 
 def _unsupported(dtype, op) -> str | None:
     backend = pb.get_default_group().backends.get("cpu")
-    check = getattr(backend, "unsupported", None)
-    return check(np.dtype(dtype), op) if check else None
+    return backend.unsupported(np.dtype(dtype), op) if backend is not None else None
 
 
 # -- reductions -----------------------------------------------------------------------------------
@@ -423,6 +426,164 @@ def check_objects() -> None:
     ]
     got = pb.broadcast_object(obj if rank == size - 1 else None, src=size - 1)
     assert got == {"rank": size - 1, "payload": list(range((size - 1) * 10))}
+
+
+# -- every call reaches every plugin ---------------------------------------------------------------
+
+
+class CallCounter:
+    """A plugin wrapping every operation hook, counting the calls it sees on one group per
+    (global rank, operation, async_op). It also offers a backend (none here), as a plugin that
+    ships both would."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        self.counts: collections.Counter = collections.Counter()
+        for name, impl in hook_implementations(self._count, wrapper=True).items():
+            setattr(self, name, impl)
+
+    def _count(self, op, group, args, async_op):
+        if group.name == self.group_name:
+            self.counts[(group.global_rank, op.name, async_op)] += 1
+        return (yield)
+
+    @pb.hookimpl
+    def pluribus_backends(self):
+        return []
+
+
+# Observers shared by the ranks of one process (ranks that are threads register them once).
+_observers: dict[str, object] = {}
+_observers_lock = threading.Lock()
+
+
+def _observe(key: str, make) -> object:
+    with _observers_lock:
+        if key not in _observers:
+            _observers[key] = make()
+        return _observers[key]
+
+
+def _round(group, rank: int, size: int) -> None:
+    """Every operation once synchronously and once with async_op=True on ``group``."""
+    n = 2
+    for async_op in (False, True):
+        works = [
+            pb.all_reduce(np.ones(n), group=group, async_op=async_op),
+            pb.broadcast(np.ones(n), 0, group=group, async_op=async_op),
+            pb.reduce(np.ones(n), 0, group=group, async_op=async_op),
+            pb.all_gather(np.zeros(n * size), np.ones(n), group=group, async_op=async_op),
+            pb.reduce_scatter(np.zeros(n), np.ones(n * size), group=group, async_op=async_op),
+            pb.all_to_all(
+                [np.zeros(n) for _ in range(size)],
+                [np.ones(n) for _ in range(size)],
+                group=group,
+                async_op=async_op,
+            ),
+            pb.gather(
+                np.ones(n),
+                [np.zeros(n) for _ in range(size)] if rank == 0 else None,
+                0,
+                group=group,
+                async_op=async_op,
+            ),
+            pb.scatter(
+                np.zeros(n),
+                [np.ones(n) for _ in range(size)] if rank == 0 else None,
+                0,
+                group=group,
+                async_op=async_op,
+            ),
+            pb.barrier(group=group, async_op=async_op),
+        ]
+        if size > 1:
+            right, left = (rank + 1) % size, (rank - 1) % size
+            if async_op:
+                works += [
+                    pb.isend(np.ones(n), right, group, 5),
+                    pb.irecv(np.zeros(n), left, group, 5),
+                ]
+            elif rank % 2 == 0:  # even ranks send first, so rendezvous sends cannot deadlock
+                pb.send(np.ones(n), right, group, 6)
+                pb.recv(np.zeros(n), left, group, 6)
+            else:
+                pb.recv(np.zeros(n), left, group, 6)
+                pb.send(np.ones(n), right, group, 6)
+        for work in works:
+            if work is not None:
+                work.wait()
+
+
+def check_every_call_seen() -> None:
+    """A wrapper plugin, one that also offers a backend, and pluggy's hook-call monitoring see
+    every call, synchronous or not, whether registered before the first call or mid-run (after
+    the group has run calls without any of them)."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    group = pb.new_group(list(range(size)))
+    manager = pb.get_plugin_manager()
+    first = _observe(f"first/{group.name}", lambda: CallCounter(group.name))
+    later = _observe(f"later/{group.name}", lambda: CallCounter(group.name))
+    monitored = _observe(f"monitored/{group.name}", collections.Counter)
+
+    def before(hook_name, impls, kwargs):
+        if hook_name.removeprefix("pluribus_") in OPERATIONS and kwargs["group"].name == group.name:
+            monitored[(kwargs["group"].global_rank, hook_name, kwargs["async_op"])] += 1
+
+    def make_monitor():
+        return manager.add_hookcall_monitoring(before, lambda *args: None)
+
+    def register(plugin, name):
+        with _observers_lock:
+            if not manager.has_plugin(name):
+                manager.register(plugin, name=name)
+
+    _round(group, rank, size)  # with no plugin: synchronous calls skip pluggy
+    pb.barrier()
+    register(first, f"conformance-first-{group.name}")
+    undo = _observe(f"monitor/{group.name}", make_monitor)
+    pb.barrier()
+    try:
+        assert group.direct("all_reduce", "cpu") is None, "a wrapper is registered: no shortcut"
+        _round(group, rank, size)
+        pb.barrier()
+        register(later, f"conformance-later-{group.name}")
+        pb.barrier()
+        _round(group, rank, size)
+        pb.barrier()
+    finally:
+        with _observers_lock:
+            for name in (f"conformance-first-{group.name}", f"conformance-later-{group.name}"):
+                if manager.has_plugin(name):
+                    manager.unregister(name=name)
+            if _observers.pop(f"monitor/{group.name}", None) is not None:
+                undo()
+            _observers.pop(f"first/{group.name}", None)
+            _observers.pop(f"later/{group.name}", None)
+            _observers.pop(f"monitored/{group.name}", None)
+        pb.barrier()
+    one_round = collections.Counter(
+        {
+            (rank, name, async_op): 1
+            for name, op in OPERATIONS.items()
+            for async_op in (False, True)
+            if op.collective or size > 1
+        }
+    )
+    mine = {k: v for k, v in first.counts.items() if k[0] == rank}
+    assert mine == {k: 2 * v for k, v in one_round.items()}, (
+        f"a wrapper registered before the calls saw {mine}, expected two of each of {one_round}"
+    )
+    mine = {k: v for k, v in later.counts.items() if k[0] == rank}
+    assert mine == dict(one_round), (
+        f"a wrapper registered mid-run saw {mine}, expected one of each of {one_round}"
+    )
+    mine = {
+        (r, h.removeprefix("pluribus_"), a): v for (r, h, a), v in monitored.items() if r == rank
+    }
+    assert mine == {k: 2 * v for k, v in one_round.items()}, (
+        f"pluggy's hook-call monitoring saw {mine}, expected two of each of {one_round}"
+    )
+    pb.destroy_process_group(group)
 
 
 # -- timeouts and errors ---------------------------------------------------------------------------

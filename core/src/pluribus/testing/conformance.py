@@ -32,6 +32,7 @@ CHECKS = [
     checks.check_objects,
     checks.check_timeouts,
     checks.check_bad_input,
+    checks.check_every_call_seen,
 ]
 
 

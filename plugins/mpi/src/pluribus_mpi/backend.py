@@ -29,6 +29,7 @@ import numpy as np
 from pluribus import Backend, ReduceOp
 from pluribus.arrays import bfloat16_dtype, device_of
 from pluribus.errors import DistTimeoutError, PluribusError
+from pluribus.operations import OPERATIONS
 from pluribus.work import Work
 
 from .env import env_disagreement
@@ -387,6 +388,8 @@ class MPIBackend(Backend):
             for name in dir(self)
             if name.startswith("_start_")
         }
+        if self.blocking:
+            self.all_reduce = self._fast_all_reduce(self.all_reduce)
 
     def __repr__(self) -> str:
         return f"MPIBackend(rank={self.rank}, size={self.size})"
@@ -411,42 +414,27 @@ class MPIBackend(Backend):
                 f"because {self.aborted}"
             )
 
-    def start(
-        self,
-        name: str,
-        args: tuple,
-        written: tuple = (0,),
-        key_array: Any = None,
-        staging: bool = False,
-    ) -> MPIWork:
-        """Start collective ``name`` and return its Work (not waited for).
+    def start(self, name: str, args: tuple) -> MPIWork:
+        """Start operation ``name`` as a non-blocking MPI call and return its Work (the core
+        calls this for ``async_op=True``)."""
+        key_array = OPERATIONS[name].key_array(args)
+        return MPIWork(self, self._begin(name, args, key_array), name, key_array)
 
-        With ``staging``, cupy arrays travel through host copies: copied to the host before the
-        start and back to the device when the Work finishes (``written`` are their indices).
-        """
-        return MPIWork(self, self._begin(name, args, written, key_array, staging), name, key_array)
-
-    def execute(
-        self,
-        name: str,
-        args: tuple,
-        written: tuple = (0,),
-        key_array: Any = None,
-        staging: bool = False,
-    ) -> None:
-        """Start collective ``name`` and wait for it (the blocking form). An operation that is
-        complete at the first test finishes here, without a Work."""
+    def execute(self, name: str, args: tuple) -> None:
+        """Start operation ``name`` and wait for it (the blocking form): one MPI blocking call
+        under the watchdog where :attr:`blocking` allows it, else a request polled to the
+        timeout. An operation complete at the first test finishes here, without a Work."""
+        key_array = OPERATIONS[name].key_array(args)
         if (
             self.blocking
             and name in _BLOCKING_CALLS
-            and not staging
             and (key_array is None or type(key_array).__module__ == "numpy")
             and not self.closed
             and self.aborted is None
         ):
             self._run_blocking(name, getattr(self, f"_blocking_{name}"), args, key_array)
             return
-        pending = self._begin(name, args, written, key_array, staging)
+        pending = self._begin(name, args, key_array)
         try:
             done = pending.request.Test(pending.status)
         except MPI.Exception as exc:
@@ -457,30 +445,12 @@ class MPIBackend(Backend):
         for finish in pending.finishers:
             finish()
 
-    def bind(self, name: str, device: str) -> Any:
-        """The function running synchronous ``name`` calls for ``device`` arrays (the group's
-        bound collective): the blocking MPI call itself where :meth:`execute` would take it."""
-        key_of, written = CALL_LAYOUT[name]
-        if self.blocking and device == "cpu" and name in _BLOCKING_CALLS:
-            blocking = getattr(self, f"_blocking_{name}")
-
-            def bound(*args: Any) -> None:
-                if self.aborted is not None or self.closed:
-                    self._check_open(_describe(name, key_of(args), self.group_name))
-                self._run_blocking(name, blocking, args, key_of(args))
-
-            return self._bind_all_reduce(bound) if name == "all_reduce" else bound
-
-        def bound_execute(*args: Any) -> None:
-            self.execute(name, args, written, key_of(args))
-
-        return bound_execute
-
-    def _bind_all_reduce(self, general: Any) -> Any:
+    def _fast_all_reduce(self, general: Any) -> Any:
         """The synchronous all-reduce with nothing between the caller and ``MPI_Allreduce`` but
-        arming the watchdog: the call users time against raw mpi4py. AVG, half floats and a
-        stopped backend take ``general``."""
-        comm, in_place = self.comm, MPI.IN_PLACE
+        arming the watchdog: the call users time against raw mpi4py, and what the core calls
+        as this backend's ``all_reduce``. AVG, half floats, cupy arrays and a stopped backend
+        take ``general``."""
+        comm, in_place, ndarray = self.comm, MPI.IN_PLACE, np.ndarray
         acquire, release = self.start_lock.acquire, self.start_lock.release
         # Keyed by id(op): ReduceOp members live for good, and Enum's hash is slow.
         types_and_ops = {
@@ -500,7 +470,12 @@ class MPIBackend(Backend):
             else:
                 found = types_and_ops.get((array.dtype, id(op)))
                 last = (array.dtype, op, found)
-            if found is None or self.aborted is not None or self.closed:
+            if (
+                found is None
+                or type(array) is not ndarray
+                or self.aborted is not None
+                or self.closed
+            ):
                 return general(array, op)
             acquire()
             try:
@@ -580,16 +555,11 @@ class MPIBackend(Backend):
             MPI.COMM_WORLD.Abort(1)
             return
 
-    def _begin(
-        self, name: str, args: tuple, written: tuple, key_array: Any, staging: bool
-    ) -> _Pending:
+    def _begin(self, name: str, args: tuple, key_array: Any) -> _Pending:
         if self.closed or self.aborted is not None:
             self._check_open(_describe(name, key_array, self.group_name))
-        call_args = args
         if key_array is not None and type(key_array).__module__.startswith("cupy"):
-            if staging:
-                call_args = tuple(_to_host(a) for a in args)
-            elif not self.cuda_aware:
+            if not self.cuda_aware:
                 what = _describe(name, key_array, self.group_name)
                 raise TypeError(
                     f"rank {self.rank}: {what}: this MPI library is not CUDA-aware "
@@ -597,24 +567,15 @@ class MPIBackend(Backend):
                     "memory, use a CUDA-aware MPI build, or carry cupy arrays with NCCL "
                     '(backend="cpu:mpi,cuda:nccl")'
                 )
-            else:
-                _sync_device(key_array)
+            _sync_device(key_array)
         starter = self._starters[name]
         try:
             with self.start_lock:
-                pending = starter(*call_args)
+                return starter(*args)
         except MPI.Exception as exc:
             raise self.translate(exc, _describe(name, key_array, self.group_name)) from exc
         except TypeError as exc:  # a dtype MPI cannot carry here; nothing was started
             raise TypeError(f"rank {self.rank}: {exc}") from exc
-        if call_args is not args:
-            for i in written:
-                pending.finishers.append(_copier(args[i], call_args[i]))
-        return pending
-
-    def run(self, name: str, *args: Any, written: tuple = (0,)) -> None:
-        """Start ``name`` and wait for it: the blocking form used by the Backend methods."""
-        self.execute(name, args, written, CALL_LAYOUT[name][0](args))
 
     # -- starts: one MPI call each ----------------------------------------------------------------
 
@@ -749,39 +710,40 @@ class MPIBackend(Backend):
     # -- the Backend interface (blocking) ---------------------------------------------------------
 
     def send(self, array: Any, dst: int, tag: int = 0) -> None:
-        self.run("send", array, dst, tag, written=())
+        self.execute("send", (array, dst, tag))
 
     def recv(self, array: Any, src: int, tag: int = 0) -> None:
-        self.run("recv", array, src, tag)
+        self.execute("recv", (array, src, tag))
 
     def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
-        receive = self.start("recv", (recv_array, src, tag), key_array=recv_array)
-        self.start("send", (send_array, dst, tag), (), send_array).wait()
+        receive = self.start("recv", (recv_array, src, tag))
+        self.start("send", (send_array, dst, tag)).wait()
         receive.wait()
 
     def all_reduce(self, array: Any, op: ReduceOp) -> None:
-        self.run("all_reduce", array, op)
+        # Replaced per instance by the fast all-reduce where blocking calls are allowed.
+        self.execute("all_reduce", (array, op))
 
     def broadcast(self, array: Any, src: int) -> None:
-        self.run("broadcast", array, src)
+        self.execute("broadcast", (array, src))
 
     def reduce(self, array: Any, dst: int, op: ReduceOp) -> None:
-        self.run("reduce", array, dst, op)
+        self.execute("reduce", (array, dst, op))
 
     def all_gather(self, outputs: list[Any], array: Any) -> None:
-        self.execute("all_gather", (outputs, array), (0,), array)
+        self.execute("all_gather", (outputs, array))
 
     def reduce_scatter(self, output: Any, inputs: list[Any], op: ReduceOp) -> None:
-        self.run("reduce_scatter", output, inputs, op)
+        self.execute("reduce_scatter", (output, inputs, op))
 
     def all_to_all(self, outputs: list[Any], inputs: list[Any]) -> None:
-        self.execute("all_to_all", (outputs, inputs), (0,), inputs[0] if inputs else None)
+        self.execute("all_to_all", (outputs, inputs))
 
     def gather(self, array: Any, outputs: list[Any] | None, dst: int) -> None:
-        self.execute("gather", (array, outputs, dst), (1,), array)
+        self.execute("gather", (array, outputs, dst))
 
     def scatter(self, array: Any, inputs: list[Any] | None, src: int) -> None:
-        self.run("scatter", array, inputs, src)
+        self.execute("scatter", (array, inputs, src))
 
     def barrier(self) -> None:
         self.execute("barrier", ())
@@ -843,37 +805,6 @@ class MPIBackend(Backend):
 _BLOCKING_CALLS = frozenset({"all_reduce", "broadcast", "barrier"})
 
 
-def _first(args: tuple) -> Any:
-    return args[0]
-
-
-def _second(args: tuple) -> Any:
-    return args[1]
-
-
-def _first_input(args: tuple) -> Any:
-    return args[1][0] if args[1] else None
-
-
-def _no_array(args: tuple) -> None:
-    return None
-
-
-#: For each operation: which of its arguments is the array that decides device and dtype (a
-#: function of the argument tuple), and the indices of the arguments it writes.
-CALL_LAYOUT = {
-    "all_reduce": (_first, (0,)),
-    "broadcast": (_first, (0,)),
-    "reduce": (_first, (0,)),
-    "all_gather": (_second, (0,)),
-    "reduce_scatter": (_first, (0,)),
-    "all_to_all": (_first_input, (0,)),
-    "gather": (_first, (1,)),
-    "scatter": (_first, (0,)),
-    "barrier": (_no_array, ()),
-    "send": (_first, ()),
-    "recv": (_first, (0,)),
-}
 #: How often the watchdog looks at a blocking call's deadline, in seconds.
 WATCHDOG_PERIOD = 0.25
 
@@ -884,14 +815,6 @@ def _describe(name: str, key_array: Any, group_name: str) -> str:
     return (
         f"{name}(shape={tuple(key_array.shape)}, dtype={key_array.dtype}) on group {group_name!r}"
     )
-
-
-def _to_host(item: Any) -> Any:
-    if isinstance(item, list):
-        return [_to_host(x) for x in item]
-    if item is not None and hasattr(item, "dtype") and device_of(item) == "cuda":
-        return item.get()
-    return item
 
 
 def _copier(device_item: Any, host_item: Any) -> Callable[[], None]:
