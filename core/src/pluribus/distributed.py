@@ -20,6 +20,7 @@ from .arrays import check_array, check_op, device_of
 from .backend import USER_TAG_LIMIT
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .lifeline import Lifeline
 from .operations import OPERATIONS
 from .plugins import default_backend, get_plugin_manager, resolve_backend
 from .store import DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
@@ -222,7 +223,10 @@ def _create_group(
             )
             made[backend_name] = spec.create(ctx)
         backends[device] = made[backend_name]
-    group = ProcessGroup(name, ranks, rank, backends, timeout, store)
+    lifeline = None
+    if any(not backend.detects_failures for backend in made.values()):
+        lifeline = Lifeline(rank, len(ranks), PrefixStore(f"{name}/core", store), timeout)
+    group = ProcessGroup(name, ranks, rank, backends, timeout, store, lifeline=lifeline)
     _hook().pluribus_group_created(group=group)
     return group
 
@@ -237,6 +241,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         for sub in world.get("subgroups", []):
             _close_group(sub)
         _close_group(default)
+        if default.lifeline is not None:
+            default.lifeline.close()
         if world.get("owns_store"):
             world["store"].close()
         world.clear()
@@ -303,7 +309,9 @@ def new_group(
             )
             made[id(backend)] = backend.new_subgroup(members, ctx)
         backends[device] = made[id(backend)]
-    group = ProcessGroup(name, members, local, backends, seconds, parent.store, parent.gpu_staging)
+    group = ProcessGroup(
+        name, members, local, backends, seconds, parent.store, parent.gpu_staging, parent.lifeline
+    )
     _world().setdefault("subgroups", []).append(group)
     _hook().pluribus_group_created(group=group)
     return group

@@ -16,12 +16,14 @@ core's implementation is the only one of the hook (see :meth:`ProcessGroup.direc
 from __future__ import annotations
 
 import functools
+import queue
 from collections.abc import Callable
 from typing import Any
 
 from .. import algorithms
 from ..arrays import device_of
 from ..backend import Backend
+from ..errors import DistTimeoutError, PeerError, PluribusError
 from ..operations import Operation, hook_implementations
 
 
@@ -74,23 +76,20 @@ def run(op: Operation, group, args: tuple, async_op: bool):
             return work
     method = blocking(backend, op.name)
 
-    if staging:
+    def description() -> str:
+        return describe(op, group, args)
 
-        def job():
+    def job():
+        try:
+            if not staging:
+                method(*args)
+                return
             host_args = tuple(_to_host(a) for a in args)
             method(*host_args)
             for i in op.written_indices:
                 _copy_back(args[i], host_args[i])
-
-    else:
-
-        def job():
-            method(*args)
-
-    def description() -> str:
-        if key is None:
-            return f"{op.name} on group {group.name!r}"
-        return f"{op.name}(shape={key.shape}, dtype={key.dtype}) on group {group.name!r}"
+        except Exception as exc:
+            raise translate(exc, group, backend, description()) from exc
 
     return group.submit(job, async_op, description, lane)
 
@@ -99,26 +98,54 @@ def direct(group, op: Operation, device: str) -> Callable[..., None] | None:
     """A function running synchronous ``op`` calls for ``device`` arrays as :func:`run` would,
     or None where ``run`` must decide per call (host staging)."""
     backend: Backend | None = group.backends.get(device)
-    if backend is None or device not in backend.devices:
-        return None
+    if backend is None or device not in backend.devices or group.watched or not op.collective:
+        return None  # host staging, the core's watch, a lane per peer: decided per call
     method = blocking(backend, op.name)
     lane = group.lane("collectives")
-    if not op.collective:
-        return None  # a lane per peer: the hook path picks it
-
-    def description() -> str:
-        return f"{op.name} on group {group.name!r}"
 
     rank, timeout, exec_lock = group.global_rank, group.timeout, lane.exec_lock
 
     def call(*args):  # Lane.call, inlined: this is the fixed cost users time against raw MPI
         if lane.pending:
-            lane.submit(lambda: method(*args), False, description, rank, timeout)
+            lane.submit(
+                lambda: method(*args), False, lambda: describe(op, group, args), rank, timeout
+            )
             return
         with exec_lock:
-            method(*args)
+            try:
+                method(*args)
+            except Exception as exc:
+                raise translate(exc, group, backend, describe(op, group, args)) from exc
 
     return call
+
+
+def describe(op: Operation, group, args: tuple) -> str:
+    """How a call reads in errors: ``all_reduce(shape=(4,), dtype=float32) on group 'world'``."""
+    key = op.key_array(args)
+    if key is None:
+        return f"{op.name} on group {group.name!r}"
+    return f"{op.name}(shape={key.shape}, dtype={key.dtype}) on group {group.name!r}"
+
+
+def translate(exc: Exception, group, backend: Backend, description: str) -> Exception:
+    """A backend's error as the core's: the failure a lifeline heard of wins over its symptom;
+    pluribus errors and the ValueError / TypeError of bad input pass; a raw timeout becomes
+    DistTimeoutError and any other transport error PeerError, naming the rank and the call."""
+    if group.failure is not None:
+        return group.failure_again()
+    if isinstance(exc, (PluribusError, ValueError, TypeError)):
+        return exc
+    what = f"rank {group.global_rank}: {description} on backend {backend.name!r}"
+    if isinstance(exc, (TimeoutError, queue.Empty)):
+        return DistTimeoutError(
+            f"{what} timed out ({type(exc).__name__}: {exc}); another rank has not started the "
+            "same operation, or died"
+        )
+    return PeerError(
+        f"{what} failed in the transport ({type(exc).__name__}: {exc}); a peer may have died or "
+        "closed its connection"
+    )
 
 
 globals().update(hook_implementations(run, trylast=True))

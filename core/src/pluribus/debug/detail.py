@@ -139,7 +139,9 @@ def find_mismatch(fps: list[dict[str, Any]], ranks: list[int], group_name: str) 
 
 
 def _exchange_over_backend(backend, group, payload: bytes) -> list[bytes]:
-    view = SubgroupView(backend, list(range(group.size)), group.rank, FINGERPRINT_TAG_SHIFT)
+    view = SubgroupView(
+        backend, list(range(group.size)), group.rank, FINGERPRINT_TAG_SHIFT, backend.timeout
+    )
     lengths = np.zeros(group.size, dtype=np.int64)
     algorithms.all_gather(
         view,

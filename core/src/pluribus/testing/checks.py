@@ -8,13 +8,16 @@ ones and twos), so results are compared exactly except for AVG.
 from __future__ import annotations
 
 import collections
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 
 import pluribus as pb
 from pluribus.arrays import bfloat16_dtype, is_integer_like
-from pluribus.errors import DistTimeoutError, PluribusError
+from pluribus.errors import DistTimeoutError, PeerError, PluribusError
 from pluribus.operations import OPERATIONS, hook_implementations
 
 ReduceOp = pb.ReduceOp
@@ -603,17 +606,105 @@ def check_timeouts() -> None:
     right, left = (rank + 1) % size, (rank - 1) % size
     late = np.zeros(2)
     work = pb.irecv(late, left, tag=99)
-    try:
-        work.wait(timeout=0.3)
-    except DistTimeoutError:
-        pass
-    else:
-        raise AssertionError("Work.wait(timeout) must raise when nothing arrives")
+    _expect_timeout(lambda: work.wait(timeout=0.3), "Work.wait(timeout=0.3)", 0.3)
     assert not work.is_completed()
     pb.barrier()
     pb.send(np.full(2, 5.0), right, tag=99)  # now satisfy it: nothing is lost
     work.wait(timeout=60)
     assert (late == 5).all()
+
+
+def _expect_timeout(fn, what: str, seconds: float) -> None:
+    """``fn()`` must raise DistTimeoutError naming this rank after about ``seconds``: not a raw
+    transport exception (queue.Empty, EOFError, socket.timeout), and not the world's timeout."""
+    rank = pb.get_rank()
+    start = time.monotonic()
+    try:
+        fn()
+    except DistTimeoutError as exc:
+        took = time.monotonic() - start
+        assert f"rank {rank}" in str(exc), f"{what}: the timeout error must name the rank: {exc}"
+        assert took < seconds + 8, f"{what} timed out after {took:.1f}s, not {seconds}s"
+        return
+    except Exception as exc:
+        raise AssertionError(
+            f"{what} raised {type(exc).__name__}: {exc}; a timeout must be a DistTimeoutError "
+            "naming the rank, not the transport's own exception"
+        ) from exc
+    raise AssertionError(f"{what} must time out when nothing arrives")
+
+
+def check_subgroup_timeout() -> None:
+    """A sub-group's own timeout applies to its calls, not the world's."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    if size == 1:
+        return
+    sub = pb.new_group(list(range(size)), timeout=2)
+    buf = np.zeros(2)
+    _expect_timeout(
+        lambda: pb.recv(buf, (rank + 1) % size, group=sub, tag=4242), "recv on a group", 2
+    )
+    pb.barrier()
+    pb.destroy_process_group(sub)
+
+
+def check_kill_a_rank() -> float | None:
+    """The last rank is SIGKILLed inside an all-reduce; every other rank must raise PeerError
+    naming it within 5 s (the suite runs this only with ranks in processes)."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    victim = size - 1
+    x = np.ones(1024)
+    pb.barrier()
+    if rank == victim:
+        pb.all_reduce(x, async_op=True)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            pb.all_reduce(x)
+    except PeerError as exc:
+        took = time.monotonic() - start
+        assert f"rank {victim}" in str(exc), f"the PeerError must name rank {victim}: {exc}"
+        assert f"rank {rank}" in str(exc), f"the PeerError must name this rank: {exc}"
+        assert took < 5, f"rank {victim}'s death took {took:.1f}s to notice (limit 5 s)"
+        return took
+    except Exception as exc:
+        raise AssertionError(
+            f"a dead rank {victim} must be a PeerError naming it, not {type(exc).__name__}: {exc}"
+        ) from exc
+    raise AssertionError(f"all_reduce went on after rank {victim} was killed")
+
+
+ABORT_REASON = "the conformance suite's abort case"
+
+
+def check_abort() -> float | None:
+    """Rank 0 aborts the world: its later calls raise, and every other rank, waiting in an
+    all-reduce rank 0 never joins, raises PeerError naming rank 0 and its reason within 5 s."""
+    rank = pb.get_rank()
+    pb.barrier()
+    if rank == 0:
+        time.sleep(0.2)
+        pb.get_default_group().abort(ABORT_REASON)
+        try:
+            pb.all_reduce(np.ones(4))
+        except PluribusError as exc:
+            assert f"rank {rank}" in str(exc), f"the error must name this rank: {exc}"
+            return None
+        raise AssertionError("a collective after abort() must raise")
+    start = time.monotonic()
+    try:
+        pb.all_reduce(np.ones(4))
+    except PeerError as exc:
+        took = time.monotonic() - start
+        assert "rank 0" in str(exc) and ABORT_REASON in str(exc), (
+            f"the PeerError must name rank 0 and why it aborted: {exc}"
+        )
+        assert took < 5, f"rank 0's abort took {took:.1f}s to reach rank {rank} (limit 5 s)"
+        return took
+    raise AssertionError("an all-reduce rank 0 never joined completed")
 
 
 def _expect(exc_type, fn, *args, must_mention: str = "", names_rank: bool = True, **kwargs):

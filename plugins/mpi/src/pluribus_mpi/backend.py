@@ -353,6 +353,7 @@ class MPIBackend(Backend):
     one made with ``Comm.Create_group`` for each sub-group)."""
 
     name = "mpi"
+    detects_failures = True  # its own dead-peer detection and timeouts
 
     def __init__(
         self,

@@ -243,6 +243,7 @@ class NcclBackend(Backend):
     """One rank of an NCCL communicator, bound to one GPU."""
 
     name = "nccl"
+    detects_failures = True  # its own dead-peer detection and timeouts
     devices = ("cuda",)
 
     def __init__(
