@@ -95,18 +95,7 @@ class Lifeline:
         os.close(self._wake_w)
 
     def _tell(self, message: bytes) -> None:
-        for sock in self._socks.values():
-            try:
-                sock.setblocking(True)
-                sock.settimeout(1.0)
-                sock.sendall(message)
-            except OSError:
-                pass
-            finally:
-                try:
-                    sock.setblocking(False)
-                except OSError:
-                    pass
+        tell(self._socks.values(), message)
 
     def _watch(self) -> None:
         while not self._closed:
@@ -149,4 +138,21 @@ class Lifeline:
             try:
                 listener(peer, reason)
             except Exception:  # a listener's bug must not stop the others hearing
+                pass
+
+
+def tell(socks, message: bytes) -> None:
+    """Send ``message`` on every lifeline that still takes it (a dead peer's does not), waiting
+    at most a second on each; the sockets stay non-blocking for their watchers."""
+    for sock in socks:
+        try:
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            sock.sendall(message)
+        except OSError:
+            pass
+        finally:
+            try:
+                sock.setblocking(False)
+            except OSError:
                 pass

@@ -80,11 +80,13 @@ def connect_mesh(
     key: str = "mesh",
     address: str | None = None,
     greet: Callable[[socket.socket, int], None] | None = None,
+    token: str | None = None,
 ) -> dict[int, socket.socket]:
     """One connected socket to every other rank, by rank. ``what`` names the connections in
     errors ("lifeline", "gloo connection"); ``greet(sock, peer)`` runs on each new connection
-    after the handshake, on both sides."""
-    token = os.environ.get(AUTH_TOKEN_ENV) or None
+    after the handshake, on both sides (the side with the higher rank connected). ``token``
+    defaults to ``PLURIBUS_AUTH_TOKEN``."""
+    token = token or os.environ.get(AUTH_TOKEN_ENV) or None
     deadline = time.monotonic() + timeout
     address = address or listen_address()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -115,13 +117,10 @@ def connect_mesh(
                         "token; every rank must have the same PLURIBUS_AUTH_TOKEN"
                     )
                 sock.sendall(_RANK.pack(rank))
-                if greet is not None:
-                    greet(sock, peer)
-                sock.settimeout(None)
             except BaseException:
                 sock.close()
                 raise
-            peers[peer] = sock
+            peers[peer] = _greeted(sock, peer, greet)
         while len(peers) < size - 1:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -137,16 +136,8 @@ def connect_mesh(
             except TimeoutError:
                 continue
             peer = _accept(sock, rank, size, token, what, deadline, set(peers))
-            if peer is None:
-                continue
-            try:
-                if greet is not None:
-                    greet(sock, peer)
-                sock.settimeout(None)
-            except BaseException:
-                sock.close()
-                raise
-            peers[peer] = sock
+            if peer is not None:
+                peers[peer] = _greeted(sock, peer, greet)
     except BaseException:
         for sock in peers.values():
             sock.close()
@@ -154,6 +145,18 @@ def connect_mesh(
     finally:
         listener.close()
     return peers
+
+
+def _greeted(sock: socket.socket, peer: int, greet) -> socket.socket:
+    """``sock`` after the caller's greeting, blocking again; closed if the greeting fails."""
+    try:
+        if greet is not None:
+            greet(sock, peer)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _connect(host: str, port: int, deadline: float, rank: int, where: str) -> socket.socket:
