@@ -46,7 +46,7 @@ def test_world_is_a_private_duplicate_of_comm_world(world):
 
 
 def test_async_operations_return_works_around_mpi_requests(world):
-    from pluribus_mpi.backend import MPIWork
+    from pluribus_mpi.work import MPIWork
 
     MPI = _mpi()
     rank, size = pb.get_rank(), pb.get_world_size()
