@@ -18,6 +18,7 @@ import numpy as np
 from . import plugins
 from .arrays import check_array, check_op, device_of
 from .backend import USER_TAG_LIMIT
+from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .lifeline import Lifeline
@@ -373,9 +374,18 @@ def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
 
 
 def _issue(g: ProcessGroup, name: str, device: str, async_op: bool, *args: Any):
-    """Run a checked operation, ``args`` in :data:`OPERATIONS` order: a synchronous call
-    directly when no plugin but the core's implements the hook, anything else through the hook.
-    Returns the Work for ``async_op``."""
+    """Run a checked operation, ``args`` in :data:`OPERATIONS` order, recorded by the flight
+    recorder while it is on. Returns the Work for ``async_op``."""
+    if flight_recorder.recorder.enabled:
+        return flight_recorder.recorder.record(
+            g, OPERATIONS[name], args, async_op, lambda *a: _dispatch(g, name, device, async_op, a)
+        )
+    return _dispatch(g, name, device, async_op, args)
+
+
+def _dispatch(g: ProcessGroup, name: str, device: str, async_op: bool, args: tuple):
+    """A synchronous call directly when no plugin but the core's implements the hook, anything
+    else through the hook."""
     if not async_op:
         direct = g.direct(name, device)
         if direct is not None:
@@ -410,16 +420,27 @@ def all_reduce(
         if bound is not None:
             flags = array.flags
             if flags.c_contiguous and flags.writeable:
-                bound(array, op)
+                _direct_all_reduce(g, bound, array, op)
                 return None
     device = _check_reduction(g, array, op, "array")
     if not async_op:
         direct = g.direct("all_reduce", device)
         if direct is not None:
             g.fast_all_reduce[key] = direct
-            direct(array, op)
+            _direct_all_reduce(g, direct, array, op)
             return None
     return _issue(g, "all_reduce", device, async_op, array, op)
+
+
+def _direct_all_reduce(g: ProcessGroup, direct, array: Any, op: ReduceOp) -> None:
+    recorder = flight_recorder.recorder
+    if recorder.enabled:
+        recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
+    else:
+        direct(array, op)
+
+
+_ALL_REDUCE = OPERATIONS["all_reduce"]
 
 
 def broadcast(

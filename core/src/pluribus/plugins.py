@@ -66,7 +66,8 @@ def _disabled() -> set[str]:
 generation = 0
 
 
-def _moved() -> None:
+def moved() -> None:
+    """Move :data:`generation`: what a call runs may have changed."""
     global generation
     generation += 1
 
@@ -80,23 +81,23 @@ class _PluginManager(pluggy.PluginManager):
         try:
             return super().register(plugin, name)
         finally:
-            _moved()
+            moved()
 
     def unregister(self, plugin=None, name=None):
         try:
             return super().unregister(plugin, name)
         finally:
-            _moved()
+            moved()
 
     def add_hookcall_monitoring(self, before, after):
         undo = super().add_hookcall_monitoring(before, after)
         self.monitored += 1
-        _moved()
+        moved()
 
         def undo_and_move() -> None:
             undo()
             self.monitored -= 1
-            _moved()
+            moved()
 
         return undo_and_move
 
@@ -178,7 +179,7 @@ def reset_plugins() -> None:
     with _registry_lock:
         _registry = None
         _probe_cache.clear()
-        _moved()
+        moved()
 
 
 def plugin_infos() -> dict[str, PluginInfo]:

@@ -1,10 +1,10 @@
-"""What the debugging plugins share: a description of one collective call, a base class that
-turns every collective hook into one ``around(call)`` generator, and switching a wrapper on and
-off.
+"""What the debugging aids share: a description of one call, a base class that turns every
+operation hook into one ``around(call)`` generator, and switching a wrapper on and off.
 
-Each debugging aid wraps every collective hook (``wrapper=True``); writing eleven near-identical
-wrappers three times would hide what each aid does, so :class:`CollectiveWrapper` writes them
-once and a subclass implements only ``around``. An aid that is off must cost nothing per call, so
+The mismatch detector and the trace wrap every operation hook (``wrapper=True``);
+:class:`CollectiveWrapper` makes those wrappers from the table of operations, so a subclass
+implements only ``around``. (The flight recorder is called by the core's dispatch instead.) An
+aid that is off must cost nothing per call, so
 the wrapper object is registered with the plugin manager only while its aid is on: the module
 registered as a built-in plugin holds just a ``pluribus_group_created`` hook that reads the
 environment and calls :func:`set_registered`.
@@ -183,9 +183,9 @@ class CollectiveWrapper:
         return (yield from self.around(describe(op, group, args, async_op)))
 
 
-#: The debugging wrappers from innermost to outermost: the flight recorder sees the calls the
-#: mismatch detector stops, and the trace's durations include the detector's exchange.
-WRAPPER_ORDER = ("debug-detail-calls", "trace-calls", "flight-recorder-calls")
+#: The debugging wrappers from innermost to outermost: the trace's durations include the
+#: detector's exchange. (The flight recorder is no wrapper: the core's dispatch calls it first.)
+WRAPPER_ORDER = ("debug-detail-calls", "trace-calls")
 
 _registration_lock = threading.Lock()
 _wanted: dict[str, CollectiveWrapper] = {}
