@@ -1,14 +1,17 @@
 """Every hook pluribus defines. Plugins implement them with :data:`pluribus.hookimpl`.
 
-Two families:
+The families:
 
 * **Backends**: ``pluribus_backends`` yields :class:`~pluribus.types.BackendSpec` records, and
   ``pluribus_probe_backend`` says whether one can run here.
-* **Collectives**: one ``firstresult`` hook per operation, each returning a
+* **Rendezvous** and **group life cycle**: ``pluribus_rendezvous``, ``pluribus_group_created``,
+  ``pluribus_group_destroyed``.
+* **Operations**: one ``firstresult`` hook per operation, each returning a
   :class:`~pluribus.work.Work`. The core's own implementation is a ``trylast`` plugin that calls
-  the backend's native method when it has one and a generic algorithm over send/recv otherwise.
-  A plugin may take over an operation for its own backend (return a Work, or ``None`` to pass),
-  or wrap every call with ``@hookimpl(wrapper=True)`` for tracing, checks or compression.
+  the backend's ``start`` (``async_op=True``), its native method, or a generic algorithm over
+  send/recv. A plugin may take over an operation for some groups (return a Work, or ``None`` to
+  pass), or wrap every call with ``@hookimpl(wrapper=True)`` for tracing, checks or
+  compression; backends need no hooks.
 
 Every call, synchronous or not, goes through its hook whenever any plugin besides the core
 implements or wraps it (or pluggy's hook-call monitoring is on); only when the core's own
@@ -151,7 +154,8 @@ def pluribus_all_reduce(group: ProcessGroup, array: Any, op: ReduceOp, async_op:
 def pluribus_broadcast(group: ProcessGroup, array: Any, src: int, async_op: bool) -> Work:
     """Copy ``array`` of rank ``src`` into ``array`` on every rank.
 
-    Example, a backend taking over broadcast for its own groups::
+    Example, a plugin taking over broadcast for the groups of its own backend (a backend needs
+    no hook for this: its ``broadcast`` method, or ``start`` for ``async_op=True``, does it)::
 
         @hookimpl
         def pluribus_broadcast(group, array, src, async_op):
