@@ -138,21 +138,20 @@ def breakdown(calls: int = 20000) -> dict[str, float]:
     manager = pb.get_plugin_manager()
     wrappers = [
         impl.plugin
-        for impl in hook.pluribus_bind_collective.get_hookimpls()
+        for impl in hook.pluribus_all_reduce.get_hookimpls()
         if impl.opts.get("wrapper") or impl.opts.get("hookwrapper")
     ]
     unwrapped = manager.subset_hook_caller("pluribus_all_reduce", remove_plugins=wrappers)
-    backend_bound = solo.bind("all_reduce", "cpu")
-    group_bound = solo_group.bound("all_reduce", "cpu")
+    backend_direct = solo.all_reduce
+    group_direct = solo_group.direct("all_reduce", "cpu")  # None while a wrapper is registered
 
     def raw_blocking():
         self_comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
 
     pieces = {
         "MPI: Allreduce (the floor)": per_call(raw_blocking),
-        "plugin: the backend's bound all_reduce": per_call(lambda: backend_bound(x, op)),
-        "core: the group's bound all_reduce (+ wrappers)": per_call(lambda: group_bound(x, op)),
-        "core: pb.all_reduce (checks + bound)": per_call(
+        "plugin: the backend's all_reduce": per_call(lambda: backend_direct(x, op)),
+        "core: pb.all_reduce (checks + direct, or the hook chain under wrappers)": per_call(
             lambda: pb.all_reduce(x, group=solo_group)
         ),
         "core: argument checks (after the first call)": per_call(
@@ -165,6 +164,10 @@ def breakdown(calls: int = 20000) -> dict[str, float]:
             lambda: hook.pluribus_all_reduce(group=solo_group, array=x, op=op, async_op=False)
         ),
     }
+    if group_direct is not None:
+        pieces["core: the group's direct all_reduce (no wrappers)"] = per_call(
+            lambda: group_direct(x, op)
+        )
     solo.close()
     pieces["wrappers"] = [manager.get_name(w) for w in wrappers]  # type: ignore[assignment]
     return pieces
@@ -186,11 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
         print(f"# {MPI.Get_library_version().splitlines()[0].strip()}; {size} ranks; float32 SUM")
-        hook = pb.get_plugin_manager().hook
-        impls = hook.pluribus_bind_collective.get_hookimpls()
-        print(f"# hooks on pluribus_bind_collective: {[i.plugin_name for i in impls]}")
-        bound = pb.get_default_group().bound("all_reduce", "cpu")
-        print(f"# the default group's bound all_reduce: {getattr(bound, '__qualname__', bound)}")
+        impls = pb.get_plugin_manager().hook.pluribus_all_reduce.get_hookimpls()
+        print(f"# implementations of pluribus_all_reduce: {[i.plugin_name for i in impls]}")
+        direct = pb.get_default_group().direct("all_reduce", "cpu")
+        print(f"# the default group's direct all_reduce: {getattr(direct, '__qualname__', direct)}")
         print(
             f"{'':8} {'best block, per call':^40} | {'median block, per call':^32}\n"
             f"{'size':>8} {'raw us':>11} {'pluribus us':>11} {'ratio':>7} {'diff us':>9} | "

@@ -283,10 +283,10 @@ def test_trace_files_are_valid_chrome_traces(tmp_path, backend):
 
 
 @pytest.mark.timeout(30)
-def test_flight_recorder_keeps_the_last_calls_and_dumps_them(tmp_path):
-    recorder = flight_recorder.FlightRecorder(size=5)
-    manager = pluribus.get_plugin_manager()
-    manager.register(recorder, name="test-flight-recorder")
+def test_flight_recorder_keeps_the_last_calls_and_dumps_them(tmp_path, monkeypatch):
+    monkeypatch.setenv(flight_recorder.SIZE_ENV, "5")
+    recorder = flight_recorder.recorder
+    recorder.entries.clear()
     try:
 
         def body(rank):
@@ -297,7 +297,7 @@ def test_flight_recorder_keeps_the_last_calls_and_dumps_them(tmp_path):
 
         run_thread_ranks(1, body)
     finally:
-        manager.unregister(recorder)
+        monkeypatch.delenv(flight_recorder.SIZE_ENV)
     entries = recorder.snapshot()
     assert len(entries) == 5  # a ring: the oldest two are gone
     assert [e["seq"] for e in entries] == [3, 4, 5, 6, 7]
@@ -309,6 +309,7 @@ def test_flight_recorder_keeps_the_last_calls_and_dumps_them(tmp_path):
     assert flight_recorder.stuck_in(record) is None
     record["entries"][2]["state"] = "started"
     assert flight_recorder.stuck_in(record)["seq"] == 5
+    recorder.configure()
 
 
 @pytest.mark.timeout(30)
@@ -325,19 +326,19 @@ def test_aids_that_are_off_add_no_wrapper_to_the_hooks(monkeypatch, tmp_path):
     assert run_thread_ranks(1, wrappers) == [[]]
     monkeypatch.setenv(flight_recorder.SIZE_ENV, "16")
     monkeypatch.setenv(detail.DEBUG_ENV, "detail")
-    assert run_thread_ranks(1, wrappers) == [["debug-detail-calls", "flight-recorder-calls"]]
-    # pluggy calls wrappers last-registered first: the flight recorder must be outermost, so
-    # that it records the calls the detector stops
-    impls = manager.hook.pluribus_all_reduce.get_hookimpls()
-    outer_first = [i.plugin_name for i in reversed(impls) if i.wrapper]
-    assert outer_first == ["flight-recorder-calls", "debug-detail-calls"]
+    # the flight recorder is the core's own: no wrapper, so it records the calls the detector
+    # stops, and a job under pluribus-run keeps the shortcut past pluggy
+    assert run_thread_ranks(1, wrappers) == [["debug-detail-calls"]]
+    assert flight_recorder.recorder.enabled
     monkeypatch.delenv(detail.DEBUG_ENV)
     monkeypatch.delenv(flight_recorder.SIZE_ENV)
     # by default the recorder runs only where its dumps have somewhere to go (pluribus-run)
     monkeypatch.setenv(flight_recorder.DIR_ENV, str(tmp_path))
-    assert run_thread_ranks(1, wrappers) == [["flight-recorder-calls"]]
+    assert run_thread_ranks(1, wrappers) == [[]]
+    assert flight_recorder.recorder.enabled
     monkeypatch.delenv(flight_recorder.DIR_ENV)
     assert run_thread_ranks(1, wrappers) == [[]]
+    assert not flight_recorder.recorder.enabled
 
 
 def test_trace_of_a_failed_call_records_the_error(tmp_path):

@@ -2,7 +2,8 @@
 
 Each function takes a :class:`~pluribus.backend.Backend` and group-local ranks, works in place on
 contiguous arrays, and sends only through ``send``, ``recv`` and ``sendrecv``. The choices follow
-MPICH and Gloo: ring all-reduce (reduce-scatter then all-gather, bandwidth-optimal), pipelined
+MPICH and Gloo: ring all-reduce (reduce-scatter then all-gather, bandwidth-optimal; recursive
+doubling for small arrays on power-of-two groups), pipelined
 binary-tree broadcast, binomial-tree reduce, ring all-gather and reduce-scatter, pairwise
 all-to-all, dissemination barrier.
 """
@@ -31,10 +32,24 @@ def chunk_bounds(n: int, parts: int) -> list[int]:
     return out
 
 
+#: All-reduces up to this size on a power-of-two group exchange whole arrays by recursive
+#: doubling (log2 p messages, each a fixed cost for a small array) instead of the ring's 2(p-1).
+DOUBLING_MAX_BYTES = 64 << 10
+
+
 def all_reduce(b: Backend, array: Any, op: ReduceOp) -> None:
     p, r = b.size, b.rank
     data = flat(array)
-    if p > 1:
+    if p > 1 and p & (p - 1) == 0 and data.nbytes <= DOUBLING_MAX_BYTES:
+        # Every rank combines the same partial results (in the other order: the ops are
+        # commutative), so every rank ends with the same bits, as with the ring.
+        incoming = empty_like(data)
+        mask = 1
+        while mask < p:
+            b.sendrecv(data, r ^ mask, incoming, r ^ mask, COLLECTIVE_TAG)
+            reduce_into(data, incoming, op)
+            mask <<= 1
+    elif p > 1:
         bounds = chunk_bounds(data.size, p)
         chunks = [data[bounds[i] : bounds[i + 1]] for i in range(p)]
         right, left = (r + 1) % p, (r - 1) % p

@@ -10,11 +10,13 @@ arrays are contiguous and already validated by the core, and every method blocks
 
 from __future__ import annotations
 
+import queue
 import threading
 import zlib
 from typing import Any
 
 from .errors import DistTimeoutError, PeerError
+from .work import Work
 
 # Tags from 0 up to USER_TAG_LIMIT belong to users' send/recv; the core's generic collectives use
 # tags at or above it, so a user's message never matches a collective's.
@@ -31,6 +33,19 @@ class Backend:
     """
 
     name = "backend"
+    #: Whether this backend notices a dead peer itself and raises PeerError naming it (and
+    #: honours its ``timeout`` in every wait). When False, the core watches the ranks through
+    #: lifelines (:mod:`pluribus.lifeline`), calls :meth:`abort` when one fails, and runs the
+    #: group's calls on its worker thread so that the caller can be told at once.
+    detects_failures = False
+    #: For a backend that leaves failures to the core: whether its ``abort`` wakes every call
+    #: blocked in it (which then raises). When True the core runs calls on the calling thread
+    #: (no hand-off to the worker thread, the fast path) and relies on ``abort`` to free them.
+    abort_wakes_calls = False
+    #: Whether ``send`` may wait for the receiver. When False, the default :meth:`sendrecv`
+    #: sends before receiving on the calling thread.
+    send_blocks = True
+    _sender: _Sender | None = None
     #: Array devices this backend carries; a cupy array on a "cpu"-only backend is refused
     #: unless host staging was asked for.
     devices: tuple[str, ...] = ("cpu",)
@@ -51,30 +66,47 @@ class Backend:
 
     # -- optional -----------------------------------------------------------------------------
     def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
-        """Send to ``dst`` and receive from ``src`` at once, so that rings cannot deadlock."""
+        """Send to ``dst`` and receive from ``src`` at once, so that rings cannot deadlock.
+
+        With :attr:`send_blocks` the send runs on this backend's sender thread (one, started on
+        first use) while this thread receives; otherwise the send runs here first.
+        """
         if dst == self.rank and src == self.rank:
             recv_array[...] = send_array
             return
-        error: list[BaseException] = []
-
-        def _send() -> None:
-            try:
-                self.send(send_array, dst, tag)
-            except BaseException as exc:  # reported on the calling thread below
-                error.append(exc)
-
-        sender = threading.Thread(target=_send, name=f"pluribus-sendrecv-{self.rank}", daemon=True)
-        sender.start()
-        try:
+        if not self.send_blocks:
+            self.send(send_array, dst, tag)
             self.recv(recv_array, src, tag)
-        finally:
-            sender.join(self.timeout)
-        if sender.is_alive():
+            return
+        sender = self._sender
+        if sender is None:
+            sender = self._sender = _Sender(f"pluribus-sendrecv-{self.rank}")
+        sent = sender.post(self.send, (send_array, dst, tag))
+        self.recv(recv_array, src, tag)
+        if not sent.wait(self.timeout):
             raise DistTimeoutError(
                 f"rank {self.rank}: send to rank {dst} did not finish within {self.timeout:.0f}s"
             )
-        if error:
-            raise error[0]
+        if sent.error is not None:
+            raise sent.error
+
+    def start(self, name: str, args: tuple) -> Work | None:
+        """Start operation ``name`` of :data:`~pluribus.operations.OPERATIONS` without waiting
+        and return its Work, or None to let the core run the blocking method on the group's
+        worker thread (the default).
+
+        ``args`` are the operation's arguments in the table's order. The core calls this for
+        ``async_op=True`` when nothing is queued before the call on the group, so a backend
+        whose transport keeps issue order itself (MPI requests, CUDA streams) returns its own
+        Work for the request in flight. The Work's ``wait`` raises the operation's error.
+        """
+        return None
+
+    def unsupported(self, dtype: Any, op: Any) -> str | None:
+        """Why this backend cannot reduce ``dtype`` arrays with ``op`` (a sentence the core
+        puts in a TypeError naming the rank), or None when it can. Asked once per dtype and op
+        on a group, before anything is sent; the default supports everything the core does."""
+        return None
 
     def new_subgroup(self, ranks: list[int], ctx: Any) -> Backend:
         """Return a backend for the group of the given group-local ``ranks`` (this rank is in it).
@@ -83,13 +115,40 @@ class Backend:
         own. The default reuses this backend's connections through a view that renumbers ranks
         and shifts tags; backends with native communicators (MPI, NCCL) return a real one.
         """
-        return SubgroupView(self, ranks, ctx.rank, tag_shift=subgroup_tag_shift(ctx.group_name))
+        shift = subgroup_tag_shift(ctx.group_name)
+        return SubgroupView(self, ranks, ctx.rank, shift, ctx.timeout)
 
     def abort(self, reason: str) -> None:
         """Stop every blocking call on this rank as soon as possible (after a failure)."""
 
     def close(self) -> None:
         """Release connections, segments and threads. Called once, on destroy."""
+
+
+class _Sent(threading.Event):
+    error: BaseException | None = None
+
+
+class _Sender:
+    """One thread that runs a backend's sends for ``sendrecv``, one after another."""
+
+    def __init__(self, name: str):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def post(self, send, args: tuple) -> _Sent:
+        done = _Sent()
+        self.queue.put((send, args, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            send, args, done = self.queue.get()
+            try:
+                send(*args)
+            except BaseException as exc:  # reported on the calling thread
+                done.error = exc
+            done.set()
 
 
 def subgroup_tag_shift(group_name: str) -> int:
@@ -101,9 +160,16 @@ def subgroup_tag_shift(group_name: str) -> int:
 class SubgroupView(Backend):
     """A sub-group carried over its parent's connections: ranks renumbered, tags shifted."""
 
-    def __init__(self, parent: Backend, ranks: list[int], rank: int, tag_shift: int):
-        super().__init__(rank, len(ranks), parent.timeout)
+    def __init__(
+        self, parent: Backend, ranks: list[int], rank: int, tag_shift: int, timeout: float
+    ):
+        super().__init__(rank, len(ranks), timeout)
         self.parent = parent
+        # The parent's waits last the parent's timeout: a shorter one here is the core's to
+        # enforce, as is failure detection when the parent leaves it to the core.
+        self.detects_failures = parent.detects_failures and parent.timeout <= timeout
+        self.abort_wakes_calls = parent.abort_wakes_calls and parent.timeout <= timeout
+        self.send_blocks = parent.send_blocks
         self.parent_ranks = list(ranks)
         self.tag_shift = tag_shift
         self.name = parent.name

@@ -18,8 +18,11 @@ import numpy as np
 from . import plugins
 from .arrays import check_array, check_op, device_of
 from .backend import USER_TAG_LIMIT
+from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .lifeline import Lifeline
+from .operations import OPERATIONS
 from .plugins import default_backend, get_plugin_manager, resolve_backend
 from .store import DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
 from .types import BackendContext, ReduceOp
@@ -221,7 +224,10 @@ def _create_group(
             )
             made[backend_name] = spec.create(ctx)
         backends[device] = made[backend_name]
-    group = ProcessGroup(name, ranks, rank, backends, timeout, store)
+    lifeline = None
+    if any(not backend.detects_failures for backend in made.values()):
+        lifeline = Lifeline(rank, len(ranks), PrefixStore(f"{name}/core", store), timeout)
+    group = ProcessGroup(name, ranks, rank, backends, timeout, store, lifeline=lifeline)
     _hook().pluribus_group_created(group=group)
     return group
 
@@ -236,6 +242,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         for sub in world.get("subgroups", []):
             _close_group(sub)
         _close_group(default)
+        if default.lifeline is not None:
+            default.lifeline.close()
         if world.get("owns_store"):
             world["store"].close()
         world.clear()
@@ -302,7 +310,9 @@ def new_group(
             )
             made[id(backend)] = backend.new_subgroup(members, ctx)
         backends[device] = made[id(backend)]
-    group = ProcessGroup(name, members, local, backends, seconds, parent.store, parent.gpu_staging)
+    group = ProcessGroup(
+        name, members, local, backends, seconds, parent.store, parent.gpu_staging, parent.lifeline
+    )
     _world().setdefault("subgroups", []).append(group)
     _hook().pluribus_group_created(group=group)
     return group
@@ -354,7 +364,7 @@ def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
     """Check ``op`` on ``array``'s dtype and backend; return the array's device."""
     check_op(op, array.dtype, g.global_rank)
     backend = g.backend_for(array)
-    reason = getattr(backend, "unsupported", lambda dtype, op: None)(np.dtype(array.dtype), op)
+    reason = backend.unsupported(np.dtype(array.dtype), op)
     if reason:
         raise TypeError(f"rank {g.global_rank}: backend {backend.name!r}: {reason}")
     # Keyed by id(op): ReduceOp members live for good (nothing else is stored), and Enum's
@@ -363,16 +373,27 @@ def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
     return device
 
 
-def _issue(g: ProcessGroup, collective: str, device: str, async_op: bool, **arguments: Any):
-    """Run a checked collective: a synchronous call through the group's bound function when it
-    has one, anything else through the per-call hook. Returns the Work for ``async_op``."""
+def _issue(g: ProcessGroup, name: str, device: str, async_op: bool, *args: Any):
+    """Run a checked operation, ``args`` in :data:`OPERATIONS` order, recorded by the flight
+    recorder while it is on. Returns the Work for ``async_op``."""
+    if flight_recorder.recorder.enabled:
+        return flight_recorder.recorder.record(
+            g, OPERATIONS[name], args, async_op, lambda *a: _dispatch(g, name, device, async_op, a)
+        )
+    return _dispatch(g, name, device, async_op, args)
+
+
+def _dispatch(g: ProcessGroup, name: str, device: str, async_op: bool, args: tuple):
+    """A synchronous call directly when no plugin but the core's implements the hook, anything
+    else through the hook."""
     if not async_op:
-        bound = g.bound(collective, device)
-        if bound is not None:
-            bound(*arguments.values())
+        direct = g.direct(name, device)
+        if direct is not None:
+            direct(*args)
             return None
-    hook = getattr(_hook(), f"pluribus_{collective}")
-    work = hook(group=g, async_op=async_op, **arguments)
+    op = OPERATIONS[name]
+    hook = getattr(_hook(), op.hook_name)
+    work = hook(group=g, async_op=async_op, **dict(zip(op.args, args, strict=True)))
     return work if async_op else None
 
 
@@ -390,7 +411,7 @@ def all_reduce(
     if not async_op:
         # The call whose fixed cost users time against raw MPI: after the first call with this
         # array type, dtype and op (under the same plugins), one lookup finds the checked
-        # combination's bound function; contiguity and writability are checked every time.
+        # combination's direct function; contiguity and writability are checked every time.
         try:
             key = (type(array), array.dtype, id(op), plugins.generation)
             bound = g.fast_all_reduce.get(key)
@@ -398,18 +419,28 @@ def all_reduce(
             bound = None
         if bound is not None:
             flags = array.flags
-            if flags.c_contiguous and getattr(flags, "writeable", True):
-                bound(array, op)
+            if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
+                _direct_all_reduce(g, bound, array, op)
                 return None
     device = _check_reduction(g, array, op, "array")
     if not async_op:
-        bound = g.bound("all_reduce", device)
-        if bound is not None:
-            g.fast_all_reduce[key] = bound
-            bound(array, op)
+        direct = g.direct("all_reduce", device)
+        if direct is not None:
+            g.fast_all_reduce[key] = direct
+            _direct_all_reduce(g, direct, array, op)
             return None
-    work = _hook().pluribus_all_reduce(group=g, array=array, op=op, async_op=async_op)
-    return work if async_op else None
+    return _issue(g, "all_reduce", device, async_op, array, op)
+
+
+def _direct_all_reduce(g: ProcessGroup, direct, array: Any, op: ReduceOp) -> None:
+    recorder = flight_recorder.recorder
+    if recorder.enabled:
+        recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
+    else:
+        direct(array, op)
+
+
+_ALL_REDUCE = OPERATIONS["all_reduce"]
 
 
 def broadcast(
@@ -420,7 +451,7 @@ def broadcast(
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
     local = g.group_rank(src, "src")
-    return _issue(g, "broadcast", device_of(array), async_op, array=array, src=local)
+    return _issue(g, "broadcast", device_of(array), async_op, array, local)
 
 
 def reduce(
@@ -434,7 +465,7 @@ def reduce(
     g = _group(group)
     device = _check_reduction(g, array, op, "array")
     local = g.group_rank(dst, "dst")
-    return _issue(g, "reduce", device, async_op, array=array, dst=local, op=op)
+    return _issue(g, "reduce", device, async_op, array, local, op)
 
 
 def all_gather(
@@ -472,7 +503,7 @@ def all_gather(
             )
         flat_out = output.reshape(-1)
         outputs = [flat_out[i * array.size : (i + 1) * array.size] for i in range(g.size)]
-    return _issue(g, "all_gather", device_of(array), async_op, outputs=outputs, array=array)
+    return _issue(g, "all_gather", device_of(array), async_op, outputs, array)
 
 
 all_gather_into_tensor = all_gather
@@ -516,7 +547,7 @@ def reduce_scatter(
             )
         flat_in = input.reshape(-1)
         inputs = [flat_in[i * output.size : (i + 1) * output.size] for i in range(g.size)]
-    return _issue(g, "reduce_scatter", device, async_op, output=output, inputs=inputs, op=op)
+    return _issue(g, "reduce_scatter", device, async_op, output, inputs, op)
 
 
 reduce_scatter_tensor = reduce_scatter
@@ -543,9 +574,7 @@ def all_to_all(
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
     if outputs[g.rank].size != inputs[g.rank].size:
         raise ValueError(f"rank {r}: outputs[{g.rank}] and inputs[{g.rank}] differ in size")
-    return _issue(
-        g, "all_to_all", device_of(inputs[0]), async_op, outputs=list(outputs), inputs=list(inputs)
-    )
+    return _issue(g, "all_to_all", device_of(inputs[0]), async_op, list(outputs), list(inputs))
 
 
 def all_to_all_single(
@@ -606,9 +635,7 @@ def gather(
         gather_list = list(gather_list)
     elif gather_list is not None:
         raise ValueError(f"rank {r}: gather_list must be None on ranks other than dst={dst}")
-    return _issue(
-        g, "gather", device_of(array), async_op, array=array, outputs=gather_list, dst=local
-    )
+    return _issue(g, "gather", device_of(array), async_op, array, gather_list, local)
 
 
 def scatter(
@@ -639,9 +666,7 @@ def scatter(
         scatter_list = list(scatter_list)
     elif scatter_list is not None:
         raise ValueError(f"rank {r}: scatter_list must be None on ranks other than src={src}")
-    return _issue(
-        g, "scatter", device_of(array), async_op, array=array, inputs=scatter_list, src=local
-    )
+    return _issue(g, "scatter", device_of(array), async_op, array, scatter_list, local)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
@@ -666,18 +691,14 @@ def send(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) 
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
     g.backend_for(array)
-    _hook().pluribus_send(
-        group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag, async_op=False
-    )
+    _issue(g, "send", device_of(array), False, array, _peer(g, dst, "dst", tag), tag)
 
 
 def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
     g = _group(group)
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
-    _hook().pluribus_recv(
-        group=g, array=array, src=_peer(g, src, "src", tag), tag=tag, async_op=False
-    )
+    _issue(g, "recv", device_of(array), False, array, _peer(g, src, "src", tag), tag)
     return src
 
 
@@ -685,18 +706,14 @@ def isend(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0)
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
     g.backend_for(array)
-    return _hook().pluribus_send(
-        group=g, array=array, dst=_peer(g, dst, "dst", tag), tag=tag, async_op=True
-    )
+    return _issue(g, "send", device_of(array), True, array, _peer(g, dst, "dst", tag), tag)
 
 
 def irecv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     g = _group(group)
     check_array(array, "array", g.global_rank)
     g.backend_for(array)
-    return _hook().pluribus_recv(
-        group=g, array=array, src=_peer(g, src, "src", tag), tag=tag, async_op=True
-    )
+    return _issue(g, "recv", device_of(array), True, array, _peer(g, src, "src", tag), tag)
 
 
 # -- small Python objects -------------------------------------------------------------------------

@@ -11,7 +11,10 @@ from typing import Any
 from . import plugins
 from .arrays import device_of
 from .backend import Backend
-from .errors import PluribusError
+from .builtin import collectives
+from .errors import PeerError, PluribusError
+from .lifeline import Lifeline
+from .operations import OPERATIONS
 from .store import Store
 from .work import CompletedWork, FutureWork, Work
 
@@ -37,6 +40,7 @@ class ProcessGroup:
         timeout: float,
         store: Store,
         gpu_staging: bool | None = None,
+        lifeline: Lifeline | None = None,
     ):
         self.name = name
         self.ranks = list(ranks)
@@ -54,11 +58,22 @@ class ProcessGroup:
         self._subgroups = 0
         #: (array type, dtype, id(op)) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
-        #: (array type, dtype, id(op), plugin generation) -> bound all_reduce, for the public
+        #: (array type, dtype, id(op), plugin generation) -> direct all_reduce, for the public
         #: all_reduce's fast path
         self.fast_all_reduce: dict[tuple[Any, Any, int, int], Callable[..., None]] = {}
-        self._bound: dict[tuple[str, str], Callable[..., None] | None] = {}
-        self._bound_generation = -1
+        self._direct: dict[tuple[str, str], Callable[..., None] | None] = {}
+        self._direct_generation = -1
+        #: Whether the core watches this group's calls (see ``Backend.detects_failures`` and
+        #: ``abort_wakes_calls``): they run on the worker thread, and the caller waits at most
+        #: ``timeout`` and hears at once of a peer's failure through the world's lifelines.
+        self.watched = any(
+            not (b.detects_failures or b.abort_wakes_calls) for b in backends.values()
+        )
+        self.lifeline = lifeline
+        #: The error every call raises once a member failed or this rank aborted the group.
+        self.failure: PluribusError | None = None
+        if lifeline is not None:
+            lifeline.add_listener(self._peer_failed)
 
     def __repr__(self) -> str:
         return (
@@ -107,18 +122,24 @@ class ProcessGroup:
             f"{device} array; {hint}"
         )
 
-    def bound(self, collective: str, device: str) -> Callable[..., None] | None:
-        """The function that runs synchronous ``collective`` calls for ``device`` arrays, bound
-        once through ``pluribus_bind_collective``; None sends every call through the hooks."""
+    def direct(self, name: str, device: str) -> Callable[..., None] | None:
+        """The function running synchronous ``name`` calls for ``device`` arrays without pluggy,
+        or None when any other plugin implements or wraps the hook (it must see every call) or
+        the core must decide per call. Made once per operation and device, again whenever the
+        plugins change."""
         generation = plugins.generation
-        if generation != self._bound_generation:
-            self._bound = {}
-            self._bound_generation = generation
-        key = (collective, device)
+        if generation != self._direct_generation:
+            self._direct = {}
+            self._direct_generation = generation
+        key = (name, device)
         try:
-            return self._bound[key]
+            return self._direct[key]
         except KeyError:
-            found = self._bound[key] = plugins.bind_collective(self, collective, device)
+            op = OPERATIONS[name]
+            found = None
+            if self.failure is None and plugins.core_only(op.hook_name):
+                found = collectives.direct(self, op, device)
+            self._direct[key] = found
             return found
 
     def lane(self, name: Any = "collectives") -> _Lane:
@@ -147,7 +168,61 @@ class ProcessGroup:
         """
         if self.closed:
             raise PluribusError(f"rank {self.global_rank}: group {self.name!r} was destroyed")
-        return self.lane(lane).submit(fn, async_op, description, self.global_rank, self.timeout)
+        if self.failure is not None:
+            raise self.failure_again()
+        return self.lane(lane).submit(
+            fn, async_op, description, self.global_rank, self.timeout, self.watched
+        )
+
+    def failure_again(self) -> PluribusError:
+        """A fresh copy of :attr:`failure` to raise (one object raised in many threads would
+        collect their tracebacks)."""
+        failure = self.failure
+        if isinstance(failure, PeerError):
+            return PeerError(str(failure), failure.peer)
+        return PluribusError(str(failure))
+
+    def _peer_failed(self, peer: int, reason: str) -> None:
+        """A lifeline heard that global rank ``peer`` failed: stop this group's calls."""
+        if peer not in self.ranks or self.failure is not None:
+            return
+        error = PeerError(
+            f"rank {self.global_rank}: rank {peer} {reason}; the operations of group "
+            f"{self.name!r} cannot complete. Restart the job (pluribus-run restarts it when given "
+            "--max-restarts)",
+            peer,
+        )
+        self._fail(error, f"rank {peer} {reason}")
+
+    def _fail(self, error: PluribusError, reason: str) -> None:
+        self.failure = error
+        self.fast_all_reduce = {}  # calls now take the hook path, which raises the failure
+        self._direct_generation = -1
+        for backend in self._distinct_backends():
+            try:
+                backend.abort(reason)
+            except Exception:  # the waiting calls below are failed regardless
+                pass
+        for lane in list(self._lanes.values()):
+            lane.fail(error)
+
+    def abort(self, reason: str) -> None:
+        """Stop this group on this rank after a failure: every waiting and later call raises,
+        the backends' ``abort`` is called, and the other ranks are told why (they raise
+        PeerError naming this rank)."""
+        if self.lifeline is not None:
+            self.lifeline.abort(f"rank {self.global_rank}: {reason}")
+        if self.failure is None:
+            error = PluribusError(
+                f"rank {self.global_rank}: group {self.name!r} was aborted: {reason}"
+            )
+            self._fail(error, reason)
+
+    def _distinct_backends(self) -> list[Backend]:
+        seen: dict[int, Backend] = {}
+        for backend in self.backends.values():
+            seen.setdefault(id(backend), backend)
+        return list(seen.values())
 
     def next_subgroup_name(self) -> str:
         with self._lock:
@@ -159,13 +234,13 @@ class ProcessGroup:
         if self.closed:
             return
         self.closed = True
+        # After a failure a worker may be stuck in a backend's wait: do not wait for it.
         for lane in list(self._lanes.values()):
-            lane.close(self.timeout)
-        seen: set[int] = set()
-        for backend in self.backends.values():
-            if id(backend) not in seen:
-                seen.add(id(backend))
-                backend.close()
+            lane.close(self.timeout if self.failure is None else 0.5)
+        if self.lifeline is not None:
+            self.lifeline.remove_listener(self._peer_failed)
+        for backend in self._distinct_backends():
+            backend.close()
 
 
 class _Lane:
@@ -178,14 +253,20 @@ class _Lane:
         self.pending = 0
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.worker: threading.Thread | None = None
+        self.outstanding: set[FutureWork] = set()
 
-    def submit(self, fn, async_op: bool, description, rank: int, timeout: float) -> Work:
+    def submit(
+        self, fn, async_op: bool, description, rank: int, timeout: float, queued: bool = False
+    ) -> Work:
+        """Run ``fn`` in order; a synchronous call runs on the calling thread when nothing is
+        queued, unless ``queued`` (then the caller waits on the Work, which a failure can end)."""
         with self.lock:
-            inline = not async_op and self.pending == 0
+            inline = not async_op and self.pending == 0 and not queued
             if not inline:
                 self.pending += 1
                 text = description() if callable(description) else description
                 work = FutureWork(f"rank {rank}: {text}", timeout)
+                self.outstanding.add(work)
                 self.queue.put((fn, work))
                 if self.worker is None:
                     self.worker = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -196,15 +277,6 @@ class _Lane:
         if not async_op:
             work.wait()
         return work
-
-    def call(self, fn, args: tuple, description, rank: int, timeout: float) -> None:
-        """Run ``fn(*args)`` and return when it is done: at once when nothing is queued (the
-        synchronous fast path), else after the operations queued before it."""
-        if not self.pending:
-            with self.exec_lock:
-                fn(*args)
-            return
-        self.submit(lambda: fn(*args), False, description, rank, timeout)
 
     def _run(self) -> None:
         while True:
@@ -222,6 +294,14 @@ class _Lane:
             finally:
                 with self.lock:
                     self.pending -= 1
+                    self.outstanding.discard(work)
+
+    def fail(self, error: BaseException) -> None:
+        """End every queued or running Work with ``error`` (their jobs may still finish)."""
+        with self.lock:
+            works = list(self.outstanding)
+        for work in works:
+            work.set_exception(error)
 
     def close(self, timeout: float) -> None:
         if self.worker is not None:

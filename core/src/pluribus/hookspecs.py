@@ -1,16 +1,23 @@
 """Every hook pluribus defines. Plugins implement them with :data:`pluribus.hookimpl`.
 
-Two families:
+The families:
 
 * **Backends**: ``pluribus_backends`` yields :class:`~pluribus.types.BackendSpec` records, and
   ``pluribus_probe_backend`` says whether one can run here.
-* **Collectives**: one ``firstresult`` hook per operation, each returning a
+* **Rendezvous** and **group life cycle**: ``pluribus_rendezvous``, ``pluribus_group_created``,
+  ``pluribus_group_destroyed``.
+* **Operations**: one ``firstresult`` hook per operation, each returning a
   :class:`~pluribus.work.Work`. The core's own implementation is a ``trylast`` plugin that calls
-  the backend's native method when it has one and a generic algorithm over send/recv otherwise.
-  A plugin may take over an operation for its own backend (return a Work, or ``None`` to pass),
-  or wrap every call with ``@hookimpl(wrapper=True)`` for tracing, checks or compression.
-* **Bound collectives**: ``pluribus_bind_collective`` gives a group one function per
-  collective for its synchronous calls, so that they skip the per-call hook chain.
+  the backend's ``start`` (``async_op=True``), its native method, or a generic algorithm over
+  send/recv. A plugin may take over an operation for some groups (return a Work, or ``None`` to
+  pass), or wrap every call with ``@hookimpl(wrapper=True)`` for tracing, checks or
+  compression; backends need no hooks.
+
+Every call, synchronous or not, goes through its hook whenever any plugin besides the core
+implements or wraps it (or pluggy's hook-call monitoring is on); only when the core's own
+implementation is the sole one does a synchronous call skip pluggy and run the same code
+directly. A wrapper therefore sees every call on every backend. The arguments of each hook are
+those of :data:`pluribus.operations.OPERATIONS`, checked below.
 
 In the collective hooks ranks (``src``, ``dst``) are group-local, ``group`` is the
 :class:`~pluribus.group.ProcessGroup`, and the arguments have been validated.
@@ -18,10 +25,12 @@ In the collective hooks ranks (``src``, ``dst``) are group-local, ``group`` is t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+from .operations import OPERATIONS
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -145,7 +154,8 @@ def pluribus_all_reduce(group: ProcessGroup, array: Any, op: ReduceOp, async_op:
 def pluribus_broadcast(group: ProcessGroup, array: Any, src: int, async_op: bool) -> Work:
     """Copy ``array`` of rank ``src`` into ``array`` on every rank.
 
-    Example, a backend taking over broadcast for its own groups::
+    Example, a plugin taking over broadcast for the groups of its own backend (a backend needs
+    no hook for this: its ``broadcast`` method, or ``start`` for ``async_op=True``, does it)::
 
         @hookimpl
         def pluribus_broadcast(group, array, src, async_op):
@@ -283,46 +293,16 @@ def pluribus_recv(group: ProcessGroup, array: Any, src: int, tag: int, async_op:
     """
 
 
-# -- bound collectives: the synchronous fast path -------------------------------------------------
-
-#: The collectives a group may bind, with the arguments their bound functions take, in order
-#: (the per-call hook's arguments without ``group`` and ``async_op``).
-BINDABLE = {
-    "all_reduce": ("array", "op"),
-    "broadcast": ("array", "src"),
-    "reduce": ("array", "dst", "op"),
-    "all_gather": ("outputs", "array"),
-    "reduce_scatter": ("output", "inputs", "op"),
-    "all_to_all": ("outputs", "inputs"),
-    "gather": ("array", "outputs", "dst"),
-    "scatter": ("array", "inputs", "src"),
-    "barrier": (),
-}
+# -- the hooks above against the one table of operations --------------------------------------
 
 
-@hookspec(firstresult=True)
-def pluribus_bind_collective(
-    group: ProcessGroup, collective: str, device: str
-) -> Callable[..., None] | None:
-    """Return a function that runs synchronous ``collective`` calls on ``group`` for arrays on
-    ``device``, or None to leave them to the next plugin.
+def _check_against_table() -> None:
+    """Every operation hook takes ``group``, the table's arguments in order, and ``async_op``."""
+    for op in OPERATIONS.values():
+        code = globals()[op.hook_name].__code__
+        names = code.co_varnames[: code.co_argcount]
+        if names != ("group", *op.args, "async_op"):
+            raise AssertionError(f"hook {op.hook_name}{names} disagrees with OPERATIONS: {op}")
 
-    A synchronous call of a small array costs about as much in a Python hook chain as on the
-    wire; a group asks this hook once per collective and device (again after any plugin is
-    registered or unregistered) and then calls the function directly, with the arguments of
-    :data:`BINDABLE` (checked, ranks group-local), for every synchronous call. Asynchronous
-    calls always go through the per-call hook. The group binds only while every plugin
-    implementing the per-call hook (``pluribus_all_reduce``, ...) also implements this one, so a
-    plugin that knows nothing of binding keeps seeing every call. A plugin that takes a
-    collective's calls for its groups must bind them too (or return a function that runs its
-    per-call path); a wrapper (``wrapper=True``) may wrap the function.
 
-    Example, a backend whose methods take exactly these arguments::
-
-        @hookimpl
-        def pluribus_bind_collective(group, collective, device):
-            backend = group.backends.get(device)
-            if not isinstance(backend, MyBackend):
-                return None
-            return getattr(backend, collective)  # MyBackend.all_reduce(array, op), ...
-    """
+_check_against_table()

@@ -18,10 +18,13 @@ from .types import Availability, BackendSpec, PluginInfo
 ENTRY_POINT_GROUP = "pluribus"
 DISABLE_ENV = "PLURIBUS_DISABLE_PLUGINS"
 
+#: The plugin name of the core's implementation of the operation hooks.
+CORE_IMPLEMENTATION = "collectives"
+
 #: Plugins that ship inside the core, registered like any other plugin.
 BUILTIN_PLUGINS = {
     "threads": "pluribus.builtin.threads",
-    "collectives": "pluribus.builtin.collectives",
+    CORE_IMPLEMENTATION: "pluribus.builtin.collectives",
     # Debugging aids: each wraps the collective hooks only while its setting switches it on.
     "debug-detail": "pluribus.debug.detail",
     "trace": "pluribus.debug.trace",
@@ -57,41 +60,54 @@ def _disabled() -> set[str]:
     return {p.strip() for p in os.environ.get(DISABLE_ENV, "").split(",") if p.strip()}
 
 
-#: A number that changes whenever a plugin is registered or unregistered: groups drop the
-#: collectives they bound under other plugins when it moves. Read it as ``plugins.generation``.
+#: A number that changes whenever a plugin is registered or unregistered, or hook-call
+#: monitoring is switched on or off: groups forget which operations may skip pluggy when it
+#: moves. Read it as ``plugins.generation``.
 generation = 0
 
 
-def _moved() -> None:
+def moved() -> None:
+    """Move :data:`generation`: what a call runs may have changed."""
     global generation
     generation += 1
 
 
 class _PluginManager(pluggy.PluginManager):
-    """pluggy's manager, moving :data:`generation` on every change of plugins."""
+    """pluggy's manager, moving :data:`generation` on every change of what a hook call runs."""
+
+    monitored = 0
 
     def register(self, plugin, name=None):
         try:
             return super().register(plugin, name)
         finally:
-            _moved()
+            moved()
 
     def unregister(self, plugin=None, name=None):
         try:
             return super().unregister(plugin, name)
         finally:
-            _moved()
+            moved()
+
+    def add_hookcall_monitoring(self, before, after):
+        undo = super().add_hookcall_monitoring(before, after)
+        self.monitored += 1
+        moved()
+
+        def undo_and_move() -> None:
+            undo()
+            self.monitored -= 1
+            moved()
+
+        return undo_and_move
 
 
-def bind_collective(group, collective: str, device: str):
-    """The function running ``group``'s synchronous ``collective`` calls on ``device`` arrays,
-    or None when a plugin on the per-call hook does not bind (it must see every call)."""
-    hook = get_plugin_manager().hook
-    binders = {id(impl.plugin) for impl in hook.pluribus_bind_collective.get_hookimpls()}
-    per_call = getattr(hook, f"pluribus_{collective}").get_hookimpls()
-    if any(id(impl.plugin) not in binders for impl in per_call):
-        return None
-    return hook.pluribus_bind_collective(group=group, collective=collective, device=device)
+def core_only(hook_name: str) -> bool:
+    """True when the core's own implementation is the only one of ``hook_name`` and nothing
+    monitors hook calls: then a synchronous call may skip pluggy, as no plugin can tell."""
+    manager = get_plugin_manager()
+    impls = getattr(manager.hook, hook_name).get_hookimpls()
+    return not manager.monitored and len(impls) == 1 and impls[0].plugin_name == CORE_IMPLEMENTATION
 
 
 def _load() -> _Registry:
@@ -163,7 +179,7 @@ def reset_plugins() -> None:
     with _registry_lock:
         _registry = None
         _probe_cache.clear()
-        _moved()
+        moved()
 
 
 def plugin_infos() -> dict[str, PluginInfo]:

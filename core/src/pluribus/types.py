@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .backend import Backend
     from .store import Store
+
+
+#: The array devices a backend can carry.
+DEVICES = ("cpu", "cuda")
+_BACKEND_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
 class ReduceOp(enum.Enum):
@@ -38,6 +44,20 @@ class Availability:
     remedy: str = ""
     version: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ok, bool):
+            raise TypeError(f"Availability.ok must be True or False, not {self.ok!r}")
+        for name in ("reason", "remedy", "version"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(
+                    f"Availability.{name} must be a string, not {getattr(self, name)!r}"
+                )
+        if not self.ok and not self.reason:
+            raise ValueError(
+                "Availability(False) needs a reason saying why the backend cannot run here "
+                "(and a remedy saying what fixes it)"
+            )
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,24 @@ class BackendSpec:
     devices: tuple[str, ...] = ("cpu",)
     priority: int = 0
     description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _BACKEND_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"BackendSpec name {self.name!r} must be lower-case letters, digits, '-' or '_', "
+                "starting with a letter (users type it: init_process_group('gloo'))"
+            )
+        if not callable(self.create) or not callable(self.probe):
+            raise TypeError(f"BackendSpec {self.name!r}: create and probe must be callables")
+        devices = self.devices
+        if isinstance(devices, str) or not devices or not set(devices) <= set(DEVICES):
+            raise ValueError(
+                f"BackendSpec {self.name!r}: devices={devices!r} must be a non-empty tuple of "
+                f"{', '.join(repr(d) for d in DEVICES)}"
+            )
+        object.__setattr__(self, "devices", tuple(devices))
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise TypeError(f"BackendSpec {self.name!r}: priority must be an int")
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,17 @@ class FutureWork(Work):
         self._lock = threading.Lock()
 
     def set_result(self, value: Any = None) -> None:
-        self._value = value
-        self._finish()
+        self._finish(value, None)
 
     def set_exception(self, error: BaseException) -> None:
-        self._error = error
-        self._finish()
+        self._finish(None, error)
 
-    def _finish(self) -> None:
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        """The first outcome stands (a peer's failure may end a work before its job does)."""
         with self._lock:
+            if self._done.is_set():
+                return
+            self._value, self._error = value, error
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:

@@ -46,7 +46,7 @@ def test_world_is_a_private_duplicate_of_comm_world(world):
 
 
 def test_async_operations_return_works_around_mpi_requests(world):
-    from pluribus_mpi.backend import MPIWork
+    from pluribus_mpi.work import MPIWork
 
     MPI = _mpi()
     rank, size = pb.get_rank(), pb.get_world_size()
@@ -296,7 +296,7 @@ def test_abort_stops_waits_on_this_rank(world):
     rank, size = pb.get_rank(), pb.get_world_size()
     sub = pb.new_group(list(range(size)))
     backend = sub.backends["cpu"]
-    pending = backend.start("recv", (np.zeros(1), rank, 77), key_array=None)  # never sent
+    pending = backend.start("recv", (np.zeros(1), rank, 77))  # never sent
     backend.abort("a peer failed in a test")
     start = time.monotonic()
     with pytest.raises(PluribusError, match="a peer failed in a test"):

@@ -123,7 +123,8 @@ def test_single_process_world_works_without_mpiexec():
         """
         import numpy as np
         import pluribus as pb
-        from pluribus_mpi.backend import MPIBackend, MPIWork
+        from pluribus_mpi.backend import MPIBackend
+        from pluribus_mpi.work import MPIWork
         pb.init_process_group("mpi", rank=0, world_size=1, store=pb.HashStore())
         assert isinstance(pb.get_default_group().backends["cpu"], MPIBackend)
         x = np.arange(5.0)

@@ -136,17 +136,18 @@ def test_hybrid_group_sends_numpy_through_cpu_and_cupy_through_nccl(fake_nccl):
     assert _comm_calls(fake_nccl, "allGather") == 0
 
 
-def test_the_hooks_pass_for_other_groups():
+def test_the_plugin_leaves_dispatch_to_the_core():
+    from pluribus.builtin.collectives import backend_of
+    from pluribus.operations import OPERATIONS
     from pluribus_nccl import plugin
 
-    cpu_only = types.SimpleNamespace(backends={"cpu": object()})
-    assert plugin.pluribus_all_reduce(cpu_only, device_array([1.0]), ReduceOp.SUM, False) is None
-    assert plugin.pluribus_barrier(cpu_only, False) is None
+    assert not [name for name in dir(plugin) if name.removeprefix("pluribus_") in OPERATIONS]
+    cpu = object()
     nccl_like = NcclBackend(object(), 0, 1, 5.0, 0, FakeRuntime())
-    hybrid = types.SimpleNamespace(backends={"cpu": object(), "cuda": nccl_like})
-    assert plugin.nccl_backend_for(hybrid, np.ones(2)) is None
-    assert plugin.nccl_backend_for(hybrid, device_array([1.0])) is nccl_like
-    assert plugin.pluribus_barrier(hybrid, False) is None  # the CPU backend does barriers
+    hybrid = types.SimpleNamespace(backends={"cpu": cpu, "cuda": nccl_like})
+    assert backend_of(hybrid, OPERATIONS["barrier"], ()) is cpu  # the CPU backend does barriers
+    nccl_only = types.SimpleNamespace(backends={"cuda": nccl_like})
+    assert backend_of(nccl_only, OPERATIONS["barrier"], ()) is nccl_like
 
 
 # -- every collective against numpy ---------------------------------------------------------------

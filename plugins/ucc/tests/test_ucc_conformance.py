@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from pluribus.testing import RankPool
-from pluribus.testing.conformance import CHECKS
+from pluribus.testing import RankPool, checks
+from pluribus.testing.conformance import CHECKS, run_failure_case
 
 # Skip only where ucxx is not installed: installed but unusable is a failure, not a skip.
 pytestmark = pytest.mark.skipif(
@@ -25,3 +25,13 @@ def pool(request):
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])
 def test_ucc_conformance(pool, check):
     pool.run(check)
+
+
+@pytest.mark.timeout(120)
+def test_ucc_kill_a_rank(pool):
+    run_failure_case(pool, checks.check_kill_a_rank, {pool.world_size - 1: "died"})
+
+
+@pytest.mark.timeout(120)
+def test_ucc_abort(pool):
+    run_failure_case(pool, checks.check_abort, {})

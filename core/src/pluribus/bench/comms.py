@@ -98,7 +98,7 @@ class PluribusComm(Comm):
         except TypeError as exc:
             return str(exc)
         backend = self.group.backend_for(array_module(self.device).empty(0, dtype))
-        reason = getattr(backend, "unsupported", lambda dtype, op: None)(np.dtype(dtype), op)
+        reason = backend.unsupported(np.dtype(dtype), op)
         return reason or None
 
     def runner(self, collective, case, op, root):

@@ -1,20 +1,30 @@
-"""The core's implementation of every collective hook (``trylast``, so any plugin goes first).
+"""The core's implementation of every operation hook (``trylast``, so any plugin goes first).
 
-Each runs on the group's ordered work queue and calls the backend's native method when it has one
-(``Backend.all_reduce`` and so on) and the generic algorithm from :mod:`pluribus.algorithms`
-otherwise. A cupy array on a backend that carries only host memory is copied to the host and
-back when the group allows host staging.
+One function, :func:`run`, serves every operation of :data:`~pluribus.operations.OPERATIONS`:
+it picks the backend from the operation's key array, copies cupy arrays through host memory
+when the backend carries only host memory and the group allows it, and then
+
+* for ``async_op=True``, asks the backend to start the operation natively
+  (:meth:`Backend.start`), when nothing is queued before it on the group;
+* otherwise runs the backend's blocking method (``Backend.all_reduce`` and so on), or the
+  generic algorithm over send/recv when it has none, on the group's ordered work queue.
+
+:func:`direct` is the same synchronous path without pluggy: the public API takes it when the
+core's implementation is the only one of the hook (see :meth:`ProcessGroup.direct`).
 """
 
 from __future__ import annotations
 
 import functools
+import queue
+from collections.abc import Callable
 from typing import Any
 
 from .. import algorithms
 from ..arrays import device_of
 from ..backend import Backend
-from ..hookspecs import hookimpl
+from ..errors import DistTimeoutError, PeerError, PluribusError
+from ..operations import Operation, hook_implementations
 
 
 def _to_host(item: Any) -> Any:
@@ -33,120 +43,109 @@ def _copy_back(device_item: Any, host_item: Any) -> None:
         device_item.set(host_item)
 
 
-def _run(
-    group,
-    name: str,
-    key_array: Any,
-    async_op: bool,
-    args: tuple,
-    written: tuple = (0,),
-    lane: Any = "collectives",
-):
-    """Run collective ``name`` with ``args`` (arrays first) on the backend for ``key_array``.
+def backend_of(group, op: Operation, args: tuple) -> Backend:
+    """The backend that carries the call: the key array's, or for barrier the cpu one."""
+    key = op.key_array(args)
+    if key is None:
+        return group.backends.get("cpu") or next(iter(group.backends.values()))
+    return group.backend_for(key)
 
-    ``written`` are the indices of the arguments the collective writes: the ones copied back to
-    the GPU after host staging.
-    """
-    backend: Backend = group.backend_for(key_array)
-    staging = key_array is not None and device_of(key_array) not in backend.devices
 
-    def job():
-        call_args = tuple(_to_host(a) for a in args) if staging else args
-        native = getattr(backend, name, None)
-        if native is not None:
-            native(*call_args)
-        else:
-            getattr(algorithms, name)(backend, *call_args)
-        if staging:
-            for i in written:
-                _copy_back(args[i], call_args[i])
+def _lane(op: Operation, args: tuple) -> Any:
+    """Collectives share one ordered lane; point-to-point gets one per direction and peer."""
+    return "collectives" if op.collective else (op.name, args[1])
+
+
+def blocking(backend: Backend, name: str) -> Callable[..., None]:
+    """The backend's blocking method for ``name``, or the generic algorithm over send/recv."""
+    native = getattr(backend, name, None)
+    if native is not None:
+        return native
+    return functools.partial(getattr(algorithms, name), backend)
+
+
+def run(op: Operation, group, args: tuple, async_op: bool):
+    """Run one call of ``op``; returns its Work."""
+    backend = backend_of(group, op, args)
+    key = op.key_array(args)
+    lane = _lane(op, args)
+    staging = key is not None and device_of(key) not in backend.devices
+    if async_op and not staging and not group.lane(lane).pending:
+        work = backend.start(op.name, args)
+        if work is not None:
+            return work
+    method = blocking(backend, op.name)
 
     def description() -> str:
-        shape = getattr(key_array, "shape", "")
-        dtype = getattr(key_array, "dtype", "")
-        return f"{name}(shape={shape}, dtype={dtype}) on group {group.name!r}"
+        return describe(op, group, args)
+
+    def job():
+        try:
+            if not staging:
+                method(*args)
+                return
+            host_args = tuple(_to_host(a) for a in args)
+            method(*host_args)
+            for i in op.written_indices:
+                _copy_back(args[i], host_args[i])
+        except Exception as exc:
+            raise translate(exc, group, backend, description()) from exc
 
     return group.submit(job, async_op, description, lane)
 
 
-@hookimpl(trylast=True)
-def pluribus_bind_collective(group, collective, device):
-    """Bind the backend's native method (or the generic algorithm) for arrays the backend
-    carries itself; host-staged arrays keep the per-call path, which copies them."""
-    backend: Backend = group.backends.get(device)
-    if backend is None or device not in backend.devices:
-        return None
-    run = getattr(backend, collective, None)
-    if run is None:
-        run = functools.partial(getattr(algorithms, collective), backend)
-    lane = group.lane()
+def direct(group, op: Operation, device: str) -> Callable[..., None] | None:
+    """A function running synchronous ``op`` calls for ``device`` arrays as :func:`run` would,
+    or None where ``run`` must decide per call (host staging)."""
+    backend: Backend | None = group.backends.get(device)
+    if backend is None or device not in backend.devices or group.watched or not op.collective:
+        return None  # host staging, the core's watch, a lane per peer: decided per call
+    method = blocking(backend, op.name)
+    lane = group.lane("collectives")
 
-    def description() -> str:
-        return f"{collective} on group {group.name!r}"
+    rank, timeout, exec_lock = group.global_rank, group.timeout, lane.exec_lock
 
-    def bound(*args):
-        lane.call(run, args, description, group.global_rank, group.timeout)
+    def call(*args):  # Lane.call, inlined: this is the fixed cost users time against raw MPI
+        if lane.pending:
+            lane.submit(
+                lambda: method(*args), False, lambda: describe(op, group, args), rank, timeout
+            )
+            return
+        with exec_lock:
+            try:
+                method(*args)
+            except Exception as exc:
+                raise translate(exc, group, backend, describe(op, group, args)) from exc
 
-    return bound
-
-
-@hookimpl(trylast=True)
-def pluribus_all_reduce(group, array, op, async_op):
-    return _run(group, "all_reduce", array, async_op, (array, op))
-
-
-@hookimpl(trylast=True)
-def pluribus_broadcast(group, array, src, async_op):
-    return _run(group, "broadcast", array, async_op, (array, src))
+    return call
 
 
-@hookimpl(trylast=True)
-def pluribus_reduce(group, array, dst, op, async_op):
-    return _run(group, "reduce", array, async_op, (array, dst, op))
+def describe(op: Operation, group, args: tuple) -> str:
+    """How a call reads in errors: ``all_reduce(shape=(4,), dtype=float32) on group 'world'``."""
+    key = op.key_array(args)
+    if key is None:
+        return f"{op.name} on group {group.name!r}"
+    return f"{op.name}(shape={key.shape}, dtype={key.dtype}) on group {group.name!r}"
 
 
-@hookimpl(trylast=True)
-def pluribus_all_gather(group, outputs, array, async_op):
-    return _run(group, "all_gather", array, async_op, (outputs, array))
+def translate(exc: Exception, group, backend: Backend, description: str) -> Exception:
+    """A backend's error as the core's: the failure a lifeline heard of wins over its symptom;
+    pluribus errors and the ValueError / TypeError of bad input pass; a raw timeout becomes
+    DistTimeoutError and any other transport error PeerError, naming the rank and the call."""
+    if group.failure is not None:
+        return group.failure_again()
+    if isinstance(exc, (PluribusError, ValueError, TypeError)):
+        return exc
+    what = f"rank {group.global_rank}: {description} on backend {backend.name!r}"
+    if isinstance(exc, (TimeoutError, queue.Empty)):
+        return DistTimeoutError(
+            f"{what} timed out ({type(exc).__name__}: {exc}); another rank has not started the "
+            "same operation, or died"
+        )
+    return PeerError(
+        f"{what} failed in the transport ({type(exc).__name__}: {exc}); a peer may have died or "
+        "closed its connection"
+    )
 
 
-@hookimpl(trylast=True)
-def pluribus_reduce_scatter(group, output, inputs, op, async_op):
-    return _run(group, "reduce_scatter", output, async_op, (output, inputs, op))
-
-
-@hookimpl(trylast=True)
-def pluribus_all_to_all(group, outputs, inputs, async_op):
-    key = inputs[0] if inputs else None
-    return _run(group, "all_to_all", key, async_op, (outputs, inputs))
-
-
-@hookimpl(trylast=True)
-def pluribus_gather(group, array, outputs, dst, async_op):
-    return _run(group, "gather", array, async_op, (array, outputs, dst), written=(1,))
-
-
-@hookimpl(trylast=True)
-def pluribus_scatter(group, array, inputs, src, async_op):
-    return _run(group, "scatter", array, async_op, (array, inputs, src))
-
-
-@hookimpl(trylast=True)
-def pluribus_barrier(group, async_op):
-    backend = group.backends.get("cpu") or next(iter(group.backends.values()))
-
-    def job():
-        native = getattr(backend, "barrier", None)
-        native() if native is not None else algorithms.barrier(backend)
-
-    return group.submit(job, async_op, f"barrier on {group.name}")
-
-
-@hookimpl(trylast=True)
-def pluribus_send(group, array, dst, tag, async_op):
-    return _run(group, "send", array, async_op, (array, dst, tag), (), ("send", dst))
-
-
-@hookimpl(trylast=True)
-def pluribus_recv(group, array, src, tag, async_op):
-    return _run(group, "recv", array, async_op, (array, src, tag), (0,), ("recv", src))
+globals().update(hook_implementations(run, trylast=True))

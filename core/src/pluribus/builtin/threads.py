@@ -41,6 +41,8 @@ class _Fabric:
 
 class ThreadsBackend(Backend):
     name = "threads"
+    detects_failures = True  # one process: a failed rank marks the fabric (abort)
+    send_blocks = False  # send only enqueues a copy
 
     def __init__(self, fabric: _Fabric, rank: int, size: int, timeout: float):
         super().__init__(rank, size, timeout)
@@ -53,24 +55,20 @@ class ThreadsBackend(Backend):
             f.boxes[(self.rank, dst, tag)].append(payload)
             f.cond.notify_all()
 
-    def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
-        # send() only enqueues a copy and never blocks, so no helper thread is needed
-        self.send(send_array, dst, tag)
-        self.recv(recv_array, src, tag)
-
     def recv(self, array: Any, src: int, tag: int = 0) -> None:
         f = self.fabric
         box = f.boxes[(src, self.rank, tag)]
         start = time.monotonic()
         with f.cond:
-            ok = f.cond.wait_for(lambda: box or src in f.failed, self.timeout)
+            ok = f.cond.wait_for(lambda: box or f.failed, self.timeout)
             if not ok:
                 raise DistTimeoutError(
                     f"rank {self.rank}: no message from rank {src} (tag {tag}) after "
                     f"{time.monotonic() - start:.1f}s"
                 )
-            if not box:
-                raise PeerError(f"rank {self.rank}: rank {src} failed: {f.failed[src]}", src)
+            if not box:  # the first rank that failed is the root cause, whoever this waits on
+                first, reason = next(iter(f.failed.items()))
+                raise PeerError(f"rank {self.rank}: rank {first} failed: {reason}", first)
             payload = box.popleft()
         target = byte_view(array)
         if payload.size != target.size:

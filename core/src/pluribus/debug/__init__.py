@@ -1,5 +1,5 @@
-"""Debugging aids, each a plugin wrapping every collective hook (registered as built-ins) and the
-functions groups bind for their synchronous calls.
+"""Debugging aids, registered as built-in plugins: the mismatch detector and the trace wrap every
+operation hook while switched on; the flight recorder is called by the core's dispatch itself.
 
 * :mod:`~pluribus.debug.detail` (``PLURIBUS_DEBUG=DETAIL``): ranks compare their calls before
   each collective and a mismatch raises on every rank.

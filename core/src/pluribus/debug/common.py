@@ -1,10 +1,10 @@
-"""What the debugging plugins share: a description of one collective call, a base class that
-turns every collective hook into one ``around(call)`` generator, and switching a wrapper on and
-off.
+"""What the debugging aids share: a description of one call, a base class that turns every
+operation hook into one ``around(call)`` generator, and switching a wrapper on and off.
 
-Each debugging aid wraps every collective hook (``wrapper=True``); writing eleven near-identical
-wrappers three times would hide what each aid does, so :class:`CollectiveWrapper` writes them
-once and a subclass implements only ``around``. An aid that is off must cost nothing per call, so
+The mismatch detector and the trace wrap every operation hook (``wrapper=True``);
+:class:`CollectiveWrapper` makes those wrappers from the table of operations, so a subclass
+implements only ``around``. (The flight recorder is called by the core's dispatch instead.) An
+aid that is off must cost nothing per call, so
 the wrapper object is registered with the plugin manager only while its aid is on: the module
 registered as a built-in plugin holds just a ``pluribus_group_created`` hook that reads the
 environment and calls :func:`set_registered`.
@@ -18,23 +18,10 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from ..hookspecs import hookimpl
-from ..work import CompletedWork
+from ..operations import OPERATIONS, Operation, hook_implementations
 
 #: Operations every rank of a group must call together (p2p ones are not checked across ranks).
-COLLECTIVE_OPS = frozenset(
-    (
-        "all_reduce",
-        "broadcast",
-        "reduce",
-        "all_gather",
-        "reduce_scatter",
-        "all_to_all",
-        "gather",
-        "scatter",
-        "barrier",
-    )
-)
+COLLECTIVE_OPS = frozenset(op.name for op in OPERATIONS.values() if op.collective)
 
 
 def _sizes(items: list[Any] | None) -> list[int] | None:
@@ -155,174 +142,50 @@ def global_rank() -> int | None:
 Around = Generator[None, Any, Any]
 
 
-def _all_reduce(group, array, op, async_op=False):
-    return CollectiveCall("all_reduce", group, array, reduce_op=op, async_op=async_op)
-
-
-def _broadcast(group, array, src, async_op=False):
-    return CollectiveCall("broadcast", group, array, root=src, async_op=async_op)
-
-
-def _reduce(group, array, dst, op, async_op=False):
-    return CollectiveCall("reduce", group, array, root=dst, reduce_op=op, async_op=async_op)
-
-
-def _all_gather(group, outputs, array, async_op=False):
-    return CollectiveCall("all_gather", group, array, out_sizes=_sizes(outputs), async_op=async_op)
-
-
-def _reduce_scatter(group, output, inputs, op, async_op=False):
+def describe(op: Operation, group: Any, args: tuple, async_op: bool = False) -> CollectiveCall:
+    """A call of ``op`` with ``args`` (in the table's order) as a CollectiveCall."""
+    values = dict(zip(op.args, args, strict=True))
+    rank = values.get("src", values.get("dst"))
+    counted = values.get(op.counted) if op.counted else None
     return CollectiveCall(
-        "reduce_scatter",
+        op.name,
         group,
-        output,
-        reduce_op=op,
-        in_sizes=_sizes(inputs),
-        nbytes=_total_bytes(inputs),
+        op.key_array(args),
+        root=rank if op.collective else None,
+        peer=None if op.collective else rank,
+        reduce_op=values.get("op"),
+        tag=values.get("tag"),
+        in_sizes=_sizes(values.get("inputs")),
+        out_sizes=_sizes(values.get("outputs")),
+        nbytes=None if counted is None else _total_bytes(counted),
         async_op=async_op,
     )
-
-
-def _all_to_all(group, outputs, inputs, async_op=False):
-    return CollectiveCall(
-        "all_to_all",
-        group,
-        inputs[0] if inputs else None,
-        in_sizes=_sizes(inputs),
-        out_sizes=_sizes(outputs),
-        nbytes=_total_bytes(inputs),
-        async_op=async_op,
-    )
-
-
-def _gather(group, array, outputs, dst, async_op=False):
-    return CollectiveCall(
-        "gather", group, array, root=dst, out_sizes=_sizes(outputs), async_op=async_op
-    )
-
-
-def _scatter(group, array, inputs, src, async_op=False):
-    return CollectiveCall(
-        "scatter", group, array, root=src, in_sizes=_sizes(inputs), async_op=async_op
-    )
-
-
-def _barrier(group, async_op=False):
-    return CollectiveCall("barrier", group, async_op=async_op)
-
-
-def _send(group, array, dst, tag, async_op=False):
-    return CollectiveCall("send", group, array, peer=dst, tag=tag, async_op=async_op)
-
-
-def _recv(group, array, src, tag, async_op=False):
-    return CollectiveCall("recv", group, array, peer=src, tag=tag, async_op=async_op)
-
-
-#: How each operation's hook arguments (without ``group`` first) read as a CollectiveCall.
-DESCRIBE = {
-    "all_reduce": _all_reduce,
-    "broadcast": _broadcast,
-    "reduce": _reduce,
-    "all_gather": _all_gather,
-    "reduce_scatter": _reduce_scatter,
-    "all_to_all": _all_to_all,
-    "gather": _gather,
-    "scatter": _scatter,
-    "barrier": _barrier,
-    "send": _send,
-    "recv": _recv,
-}
-
-_DONE = CompletedWork()
 
 
 class CollectiveWrapper:
-    """A plugin wrapping every collective hook with ``self.around(call)``.
+    """A plugin wrapping every operation hook with ``self.around(call)``.
 
     ``around`` is a generator in pluggy's wrapper style: code before its ``yield`` runs before
-    the collective is issued, the ``yield`` returns the hook's :class:`Work` (or raises its
-    error), and ``around`` returns the Work. Functions a group binds for its synchronous calls
-    are wrapped with the same ``around``, so an aid sees every call either way.
+    the operation is issued, the ``yield`` returns the hook's :class:`Work` (or raises its
+    error), and ``around`` returns the Work. The hook implementations are made per instance
+    from :data:`~pluribus.operations.OPERATIONS`, so a subclass's ``__init__`` must call this
+    one's.
     """
+
+    def __init__(self) -> None:
+        for name, implementation in hook_implementations(self._wrap, wrapper=True).items():
+            setattr(self, name, implementation)
 
     def around(self, call: CollectiveCall) -> Around:
         return (yield)
 
-    @hookimpl(wrapper=True)
-    def pluribus_bind_collective(self, group, collective, device):
-        bound = yield
-        if bound is None:
-            return None
-        describe = DESCRIBE[collective]
-
-        def around_bound(*args):
-            steps = self.around(describe(group, *args))
-            next(steps)  # the part before the collective
-            try:
-                bound(*args)
-            except BaseException as exc:
-                try:
-                    steps.throw(exc)
-                except StopIteration:
-                    pass
-                raise
-            try:
-                steps.send(_DONE)
-            except StopIteration:
-                return
-            raise RuntimeError(f"{type(self).__name__}.around yielded more than once")
-
-        return around_bound
-
-    @hookimpl(wrapper=True)
-    def pluribus_all_reduce(self, group, array, op, async_op):
-        return (yield from self.around(_all_reduce(group, array, op, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_broadcast(self, group, array, src, async_op):
-        return (yield from self.around(_broadcast(group, array, src, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_reduce(self, group, array, dst, op, async_op):
-        return (yield from self.around(_reduce(group, array, dst, op, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_all_gather(self, group, outputs, array, async_op):
-        return (yield from self.around(_all_gather(group, outputs, array, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_reduce_scatter(self, group, output, inputs, op, async_op):
-        return (yield from self.around(_reduce_scatter(group, output, inputs, op, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_all_to_all(self, group, outputs, inputs, async_op):
-        return (yield from self.around(_all_to_all(group, outputs, inputs, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_gather(self, group, array, outputs, dst, async_op):
-        return (yield from self.around(_gather(group, array, outputs, dst, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_scatter(self, group, array, inputs, src, async_op):
-        return (yield from self.around(_scatter(group, array, inputs, src, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_barrier(self, group, async_op):
-        return (yield from self.around(_barrier(group, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_send(self, group, array, dst, tag, async_op):
-        return (yield from self.around(_send(group, array, dst, tag, async_op)))
-
-    @hookimpl(wrapper=True)
-    def pluribus_recv(self, group, array, src, tag, async_op):
-        return (yield from self.around(_recv(group, array, src, tag, async_op)))
+    def _wrap(self, op: Operation, group: Any, args: tuple, async_op: bool) -> Around:
+        return (yield from self.around(describe(op, group, args, async_op)))
 
 
-#: The debugging wrappers from innermost to outermost: the flight recorder sees the calls the
-#: mismatch detector stops, and the trace's durations include the detector's exchange.
-WRAPPER_ORDER = ("debug-detail-calls", "trace-calls", "flight-recorder-calls")
+#: The debugging wrappers from innermost to outermost: the trace's durations include the
+#: detector's exchange. (The flight recorder is no wrapper: the core's dispatch calls it first.)
+WRAPPER_ORDER = ("debug-detail-calls", "trace-calls")
 
 _registration_lock = threading.Lock()
 _wanted: dict[str, CollectiveWrapper] = {}

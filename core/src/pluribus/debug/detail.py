@@ -139,7 +139,9 @@ def find_mismatch(fps: list[dict[str, Any]], ranks: list[int], group_name: str) 
 
 
 def _exchange_over_backend(backend, group, payload: bytes) -> list[bytes]:
-    view = SubgroupView(backend, list(range(group.size)), group.rank, FINGERPRINT_TAG_SHIFT)
+    view = SubgroupView(
+        backend, list(range(group.size)), group.rank, FINGERPRINT_TAG_SHIFT, backend.timeout
+    )
     lengths = np.zeros(group.size, dtype=np.int64)
     algorithms.all_gather(
         view,
@@ -162,6 +164,7 @@ def _exchange_over_store(group, seq: int, payload: bytes) -> list[bytes]:
 
 class MismatchDetector(CollectiveWrapper):
     def __init__(self):
+        super().__init__()
         self.enabled = enabled_by_env()
         # Keyed by group name and rank: the ranks of the threads backend share this process.
         self._seq: dict[tuple[str, int], int] = defaultdict(int)

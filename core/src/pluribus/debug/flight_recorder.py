@@ -8,7 +8,10 @@ out, when the rank dies of an uncaught exception, and when the launcher stops th
 ``pluribus-run`` sets that directory for every job and reads the files to say which collective
 each rank was stuck in.
 
-Recording costs one small list per call (about a microsecond; no data is copied), so by default
+The recorder is part of the core's dispatch, not a hook wrapper: the public API hands it every
+call before any plugin sees it, so it also records the calls a wrapper stops (the mismatch
+detector), and switching it on costs no hook chain. Recording costs one small list per call
+(about a microsecond; no data is copied), so by default
 the recorder keeps 256 calls only where a dump has somewhere to go: when
 ``PLURIBUS_FLIGHT_RECORDER_DIR`` is set. Elsewhere (a plain ``mpiexec`` job, say) it is off unless
 ``PLURIBUS_FLIGHT_RECORDER`` asks for it.
@@ -25,46 +28,42 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..hookspecs import BINDABLE, hookimpl
-from .common import (
-    DESCRIBE,
-    CollectiveCall,
-    CollectiveWrapper,
-    global_rank,
-    set_registered,
-    when_done,
-)
+from ..hookspecs import hookimpl
+from ..operations import Operation
+from .common import CollectiveCall, describe, global_rank, when_done
 
 SIZE_ENV = "PLURIBUS_FLIGHT_RECORDER"
 DIR_ENV = "PLURIBUS_FLIGHT_RECORDER_DIR"
 DEFAULT_SIZE = 256
 
 
-class ArrayInfo(NamedTuple):
-    """What the buffer keeps of an array: not its memory."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-
-
 def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
     return Path(directory) / f"flight_recorder_r{'unknown' if rank is None else rank}.json"
 
 
+class ArrayInfo:
+    """What the buffer keeps of an array: its shape and dtype, not its memory."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
+        self.shape, self.dtype = shape, dtype
+
+
 # An entry is a list, the cheapest record to make on every call:
 # [seq, group name, call, start, end (None while it runs), error (None unless it failed)].
-# ``call`` is a CollectiveCall, or for a bound call of one array (describe, shape, dtype, the other
-# arguments), made into a CollectiveCall only when the buffer is read.
+# ``call`` is a CollectiveCall, or for an operation whose only array comes first (all_reduce,
+# broadcast, send, ...) the tuple (operation, (ArrayInfo, other arguments...), async_op), made
+# into a CollectiveCall only when the buffer is read.
 SEQ, GROUP, CALL, START, END, ERROR = range(6)
 
 
 def _call_of(entry: list) -> CollectiveCall:
     call = entry[CALL]
     if isinstance(call, tuple):
-        describe, shape, dtype, rest = call
-        call = entry[CALL] = describe(None, ArrayInfo(shape, dtype), *rest)
+        call = entry[CALL] = describe(*call[:1], None, *call[1:])
     return call
 
 
@@ -96,8 +95,9 @@ def entry_dict(entry: list) -> dict[str, Any]:
     }
 
 
-class FlightRecorder(CollectiveWrapper):
-    """The recorder plugin; one per process (module-level ``recorder``)."""
+class FlightRecorder:
+    """The recorder; one per process (module-level ``recorder``), which the core's dispatch
+    calls for every operation while it is enabled."""
 
     def __init__(self, size: int | None = None):
         self.entries: collections.deque[list] = collections.deque(maxlen=1)
@@ -125,54 +125,30 @@ class FlightRecorder(CollectiveWrapper):
             self._rank = group.global_rank
             self._install_excepthook()
 
-    def around(self, call: CollectiveCall):
-        if not self.enabled:
-            return (yield)
-        group = call.group
-        self._first_call(group)
-        counter = self._counter((group.name, group.global_rank, call.collective))
+    def record(self, group: Any, op: Operation, args: tuple, async_op: bool, run) -> Any:
+        """Record one call of ``op`` on ``group`` around ``run(*args)``, which issues it and
+        returns its Work (None for a synchronous call, finished when ``run`` returns)."""
+        if self._rank is None:
+            self._first_call(group)
+        counter = self._counter((group.name, group.ranks[group.rank], op.collective))
         counter[0] += 1
-        seq = counter[0]
-        call.group = None  # the buffer must not keep destroyed groups alive
-        entry = [seq, group.name, call, time.time(), None, None]
+        if op.key_index == 0 and not op.key_in_list:  # one array, then plain values
+            key = args[0]
+            call: Any = (op, (ArrayInfo(key.shape, key.dtype), *args[1:]), async_op)
+        else:
+            call = describe(op, None, args, async_op)
+        entry = [counter[0], group.name, call, time.time(), None, None]
         self.entries.append(entry)
         try:
-            work = yield
+            work = run(*args)
         except BaseException as exc:
             self._finished(entry, exc)
             raise
-        when_done(work, lambda error: self._finished(entry, error))
-        return work
-
-    @hookimpl(wrapper=True)
-    def pluribus_bind_collective(self, group, collective, device):
-        """Record a group's bound calls too, without the generic wrapper's generator."""
-        bound = yield
-        if bound is None or not self.enabled:
-            return bound
-        self._first_call(group)
-        describe, name = DESCRIBE[collective], group.name
-        counter = self._counter((name, group.global_rank, True))
-        names = BINDABLE[collective]  # one array first, then plain values: keep a summary
-        one_array = names[:1] == ("array",) and not {"outputs", "inputs"} & set(names)
-
-        def recorded(*args):
-            counter[0] += 1
-            seq = counter[0]
-            if one_array:
-                call = (describe, args[0].shape, args[0].dtype, args[1:])
-            else:
-                call = describe(None, *args)
-            entry = [seq, name, call, time.time(), None, None]
-            self.entries.append(entry)
-            try:
-                bound(*args)
-            except BaseException as exc:
-                self._finished(entry, exc)
-                raise
+        if work is None:
             entry[END] = time.time()
-
-        return recorded
+        else:
+            when_done(work, lambda error: self._finished(entry, error))
+        return work
 
     def _counter(self, key: tuple[str, int, bool]) -> list[int]:
         # One rank issues a group's calls from one thread, so its counter needs no lock.
@@ -236,7 +212,6 @@ def pluribus_group_created(group):
     for collective in (True, False):
         recorder._seq.pop((group.name, group.global_rank, collective), None)
     recorder.configure()
-    set_registered(recorder, "flight-recorder-calls", recorder.enabled)
 
 
 def dump(reason: str, directory: str | os.PathLike | None = None) -> Path | None:

@@ -35,6 +35,7 @@ def trace_path(directory: str | os.PathLike, rank: int | None) -> Path:
 
 class Tracer(CollectiveWrapper):
     def __init__(self, directory: str | None = None):
+        super().__init__()
         self.directory = directory if directory is not None else os.environ.get(TRACE_ENV) or None
         self.events: list[dict[str, Any]] = []
         self.dropped = 0

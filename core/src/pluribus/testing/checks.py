@@ -11,13 +11,18 @@ results come back with ``to_host``, so the expected values are the same numpy on
 
 from __future__ import annotations
 
+import collections
 import os
+import signal
+import threading
+import time
 
 import numpy as np
 
 import pluribus as pb
 from pluribus.arrays import bfloat16_dtype, is_integer_like
-from pluribus.errors import DistTimeoutError, PluribusError
+from pluribus.errors import DistTimeoutError, PeerError, PluribusError
+from pluribus.operations import OPERATIONS, hook_implementations
 
 ReduceOp = pb.ReduceOp
 
@@ -165,8 +170,7 @@ def _refused_as_unsupported(collective, *args, dtype, op) -> bool:
 
 def _unsupported(dtype, op) -> str | None:
     backend = pb.get_default_group().backends.get(device())
-    check = getattr(backend, "unsupported", None)
-    return check(np.dtype(dtype), op) if check else None
+    return backend.unsupported(np.dtype(dtype), op) if backend is not None else None
 
 
 # -- reductions -----------------------------------------------------------------------------------
@@ -492,6 +496,164 @@ def check_objects() -> None:
     assert got == {"rank": size - 1, "payload": list(range((size - 1) * 10))}
 
 
+# -- every call reaches every plugin ---------------------------------------------------------------
+
+
+class CallCounter:
+    """A plugin wrapping every operation hook, counting the calls it sees on one group per
+    (global rank, operation, async_op). It also offers a backend (none here), as a plugin that
+    ships both would."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        self.counts: collections.Counter = collections.Counter()
+        for name, impl in hook_implementations(self._count, wrapper=True).items():
+            setattr(self, name, impl)
+
+    def _count(self, op, group, args, async_op):
+        if group.name == self.group_name:
+            self.counts[(group.global_rank, op.name, async_op)] += 1
+        return (yield)
+
+    @pb.hookimpl
+    def pluribus_backends(self):
+        return []
+
+
+# Observers shared by the ranks of one process (ranks that are threads register them once).
+_observers: dict[str, object] = {}
+_observers_lock = threading.Lock()
+
+
+def _observe(key: str, make) -> object:
+    with _observers_lock:
+        if key not in _observers:
+            _observers[key] = make()
+        return _observers[key]
+
+
+def _round(group, rank: int, size: int) -> None:
+    """Every operation once synchronously and once with async_op=True on ``group``."""
+    n = 2
+    for async_op in (False, True):
+        works = [
+            pb.all_reduce(xp.ones(n), group=group, async_op=async_op),
+            pb.broadcast(xp.ones(n), 0, group=group, async_op=async_op),
+            pb.reduce(xp.ones(n), 0, group=group, async_op=async_op),
+            pb.all_gather(xp.zeros(n * size), xp.ones(n), group=group, async_op=async_op),
+            pb.reduce_scatter(xp.zeros(n), xp.ones(n * size), group=group, async_op=async_op),
+            pb.all_to_all(
+                [xp.zeros(n) for _ in range(size)],
+                [xp.ones(n) for _ in range(size)],
+                group=group,
+                async_op=async_op,
+            ),
+            pb.gather(
+                xp.ones(n),
+                [xp.zeros(n) for _ in range(size)] if rank == 0 else None,
+                0,
+                group=group,
+                async_op=async_op,
+            ),
+            pb.scatter(
+                xp.zeros(n),
+                [xp.ones(n) for _ in range(size)] if rank == 0 else None,
+                0,
+                group=group,
+                async_op=async_op,
+            ),
+            pb.barrier(group=group, async_op=async_op),
+        ]
+        if size > 1:
+            right, left = (rank + 1) % size, (rank - 1) % size
+            if async_op:
+                works += [
+                    pb.isend(xp.ones(n), right, group, 5),
+                    pb.irecv(xp.zeros(n), left, group, 5),
+                ]
+            elif rank % 2 == 0:  # even ranks send first, so rendezvous sends cannot deadlock
+                pb.send(xp.ones(n), right, group, 6)
+                pb.recv(xp.zeros(n), left, group, 6)
+            else:
+                pb.recv(xp.zeros(n), left, group, 6)
+                pb.send(xp.ones(n), right, group, 6)
+        for work in works:
+            if work is not None:
+                work.wait()
+
+
+def check_every_call_seen() -> None:
+    """A wrapper plugin, one that also offers a backend, and pluggy's hook-call monitoring see
+    every call, synchronous or not, whether registered before the first call or mid-run (after
+    the group has run calls without any of them)."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    group = pb.new_group(list(range(size)))
+    manager = pb.get_plugin_manager()
+    first = _observe(f"first/{group.name}", lambda: CallCounter(group.name))
+    later = _observe(f"later/{group.name}", lambda: CallCounter(group.name))
+    monitored = _observe(f"monitored/{group.name}", collections.Counter)
+
+    def before(hook_name, impls, kwargs):
+        if hook_name.removeprefix("pluribus_") in OPERATIONS and kwargs["group"].name == group.name:
+            monitored[(kwargs["group"].global_rank, hook_name, kwargs["async_op"])] += 1
+
+    def make_monitor():
+        return manager.add_hookcall_monitoring(before, lambda *args: None)
+
+    def register(plugin, name):
+        with _observers_lock:
+            if not manager.has_plugin(name):
+                manager.register(plugin, name=name)
+
+    _round(group, rank, size)  # with no plugin: synchronous calls skip pluggy
+    pb.barrier()
+    register(first, f"conformance-first-{group.name}")
+    undo = _observe(f"monitor/{group.name}", make_monitor)
+    pb.barrier()
+    try:
+        assert group.direct("all_reduce", "cpu") is None, "a wrapper is registered: no shortcut"
+        _round(group, rank, size)
+        pb.barrier()
+        register(later, f"conformance-later-{group.name}")
+        pb.barrier()
+        _round(group, rank, size)
+        pb.barrier()
+    finally:
+        with _observers_lock:
+            for name in (f"conformance-first-{group.name}", f"conformance-later-{group.name}"):
+                if manager.has_plugin(name):
+                    manager.unregister(name=name)
+            if _observers.pop(f"monitor/{group.name}", None) is not None:
+                undo()
+            _observers.pop(f"first/{group.name}", None)
+            _observers.pop(f"later/{group.name}", None)
+            _observers.pop(f"monitored/{group.name}", None)
+        pb.barrier()
+    one_round = collections.Counter(
+        {
+            (rank, name, async_op): 1
+            for name, op in OPERATIONS.items()
+            for async_op in (False, True)
+            if op.collective or size > 1
+        }
+    )
+    mine = {k: v for k, v in first.counts.items() if k[0] == rank}
+    assert mine == {k: 2 * v for k, v in one_round.items()}, (
+        f"a wrapper registered before the calls saw {mine}, expected two of each of {one_round}"
+    )
+    mine = {k: v for k, v in later.counts.items() if k[0] == rank}
+    assert mine == dict(one_round), (
+        f"a wrapper registered mid-run saw {mine}, expected one of each of {one_round}"
+    )
+    mine = {
+        (r, h.removeprefix("pluribus_"), a): v for (r, h, a), v in monitored.items() if r == rank
+    }
+    assert mine == {k: 2 * v for k, v in one_round.items()}, (
+        f"pluggy's hook-call monitoring saw {mine}, expected two of each of {one_round}"
+    )
+    pb.destroy_process_group(group)
+
+
 # -- timeouts and errors ---------------------------------------------------------------------------
 
 
@@ -509,17 +671,105 @@ def check_timeouts() -> None:
     right, left = (rank + 1) % size, (rank - 1) % size
     late = xp.zeros(2)
     work = pb.irecv(late, left, tag=99)
-    try:
-        work.wait(timeout=0.3)
-    except DistTimeoutError:
-        pass
-    else:
-        raise AssertionError("Work.wait(timeout) must raise when nothing arrives")
+    _expect_timeout(lambda: work.wait(timeout=0.3), "Work.wait(timeout=0.3)", 0.3)
     assert not work.is_completed()
     pb.barrier()
     pb.send(xp.full(2, 5.0), right, tag=99)  # now satisfy it: nothing is lost
     work.wait(timeout=60)
     assert (late == 5).all()
+
+
+def _expect_timeout(fn, what: str, seconds: float) -> None:
+    """``fn()`` must raise DistTimeoutError naming this rank after about ``seconds``: not a raw
+    transport exception (queue.Empty, EOFError, socket.timeout), and not the world's timeout."""
+    rank = pb.get_rank()
+    start = time.monotonic()
+    try:
+        fn()
+    except DistTimeoutError as exc:
+        took = time.monotonic() - start
+        assert f"rank {rank}" in str(exc), f"{what}: the timeout error must name the rank: {exc}"
+        assert took < seconds + 8, f"{what} timed out after {took:.1f}s, not {seconds}s"
+        return
+    except Exception as exc:
+        raise AssertionError(
+            f"{what} raised {type(exc).__name__}: {exc}; a timeout must be a DistTimeoutError "
+            "naming the rank, not the transport's own exception"
+        ) from exc
+    raise AssertionError(f"{what} must time out when nothing arrives")
+
+
+def check_subgroup_timeout() -> None:
+    """A sub-group's own timeout applies to its calls, not the world's."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    if size == 1:
+        return
+    sub = pb.new_group(list(range(size)), timeout=2)
+    buf = np.zeros(2)
+    _expect_timeout(
+        lambda: pb.recv(buf, (rank + 1) % size, group=sub, tag=4242), "recv on a group", 2
+    )
+    pb.barrier()
+    pb.destroy_process_group(sub)
+
+
+def check_kill_a_rank() -> float | None:
+    """The last rank is SIGKILLed inside an all-reduce; every other rank must raise PeerError
+    naming it within 5 s (the suite runs this only with ranks in processes)."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    victim = size - 1
+    x = np.ones(1024)
+    pb.barrier()
+    if rank == victim:
+        pb.all_reduce(x, async_op=True)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            pb.all_reduce(x)
+    except PeerError as exc:
+        took = time.monotonic() - start
+        assert f"rank {victim}" in str(exc), f"the PeerError must name rank {victim}: {exc}"
+        assert f"rank {rank}" in str(exc), f"the PeerError must name this rank: {exc}"
+        assert took < 5, f"rank {victim}'s death took {took:.1f}s to notice (limit 5 s)"
+        return took
+    except Exception as exc:
+        raise AssertionError(
+            f"a dead rank {victim} must be a PeerError naming it, not {type(exc).__name__}: {exc}"
+        ) from exc
+    raise AssertionError(f"all_reduce went on after rank {victim} was killed")
+
+
+ABORT_REASON = "the conformance suite's abort case"
+
+
+def check_abort() -> float | None:
+    """Rank 0 aborts the world: its later calls raise, and every other rank, waiting in an
+    all-reduce rank 0 never joins, raises PeerError naming rank 0 and its reason within 5 s."""
+    rank = pb.get_rank()
+    pb.barrier()
+    if rank == 0:
+        time.sleep(0.2)
+        pb.get_default_group().abort(ABORT_REASON)
+        try:
+            pb.all_reduce(np.ones(4))
+        except PluribusError as exc:
+            assert f"rank {rank}" in str(exc), f"the error must name this rank: {exc}"
+            return None
+        raise AssertionError("a collective after abort() must raise")
+    start = time.monotonic()
+    try:
+        pb.all_reduce(np.ones(4))
+    except PeerError as exc:
+        took = time.monotonic() - start
+        assert "rank 0" in str(exc) and ABORT_REASON in str(exc), (
+            f"the PeerError must name rank 0 and why it aborted: {exc}"
+        )
+        assert took < 5, f"rank 0's abort took {took:.1f}s to reach rank {rank} (limit 5 s)"
+        return took
+    raise AssertionError("an all-reduce rank 0 never joined completed")
 
 
 def _expect(exc_type, fn, *args, must_mention: str = "", names_rank: bool = True, **kwargs):

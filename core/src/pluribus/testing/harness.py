@@ -53,11 +53,10 @@ def _abort_group(reason: str) -> None:
     import pluribus
 
     if pluribus.is_initialized():
-        for backend in pluribus.get_default_group().backends.values():
-            try:
-                backend.abort(reason)
-            except Exception:
-                pass
+        try:
+            pluribus.get_default_group().abort(reason)
+        except Exception:
+            pass
 
 
 def _call(fn: Callable, args: tuple, rank: int) -> tuple[str, Any]:

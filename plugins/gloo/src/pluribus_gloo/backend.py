@@ -132,6 +132,7 @@ class GlooBackend(Backend):
     """One rank's gloo endpoint for one group. Sub-groups share the world's engine."""
 
     name = "gloo"
+    detects_failures = True  # its own dead-peer detection and timeouts
     devices = ("cpu",)
 
     def __init__(

@@ -1,31 +1,27 @@
-"""Setting up the full mesh: one TCP connection per pair of ranks, found through the store.
-
-Every rank listens on one port and publishes ``host:port`` in the group's store; each rank then
-connects to every lower rank and accepts one connection from every higher rank. Both ends of a
-connection answer the other's shared-secret challenge when ``PLURIBUS_AUTH_TOKEN`` is set, then
-exchange a hello (rank, host id, whether shared memory is on). Two ranks on one host then agree
-on a shared-memory segment over the fresh connection.
+"""Setting up gloo's full mesh: the core's mesh (:func:`pluribus.tcp_mesh.connect_mesh`: one TCP
+connection per pair of ranks, found through the store, both ends authenticated), then on each
+fresh connection a hello (rank, host id, whether shared memory is on); two ranks on one host
+then agree on a shared-memory segment over it.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
 import struct
 import sys
-import time
 from dataclasses import dataclass
 
-from pluribus.errors import AuthenticationError, DistTimeoutError, PeerError, PluribusError
-from pluribus.store import client_handshake, recv_exact, server_handshake
+from pluribus import tcp_mesh
+from pluribus.errors import PluribusError
+from pluribus.store import recv_exact
+from pluribus.tcp_mesh import IFNAME_ENV, listen_address  # noqa: F401  (gloo's settings, re-exported)
 
 from . import shm
 
 log = logging.getLogger("pluribus.gloo")
 
-IFNAME_ENV = "PLURIBUS_SOCKET_IFNAME"
 _HELLO = struct.Struct("<4sIIBH")
 _HELLO_MAGIC = b"PLGL"
 
@@ -43,52 +39,6 @@ def host_id() -> str:
     except OSError:
         pass
     return f"{socket.gethostname()}/{boot}"
-
-
-def interface_address(ifname: str) -> str:
-    """The IPv4 address of network interface ``ifname`` (Linux)."""
-    import fcntl
-
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        request = struct.pack("256s", ifname.encode()[:15])
-        reply = fcntl.ioctl(probe.fileno(), 0x8915, request)  # SIOCGIFADDR
-    except OSError as exc:
-        raise PluribusError(
-            f"{IFNAME_ENV}={ifname!r}: cannot read an IPv4 address of that interface ({exc}); "
-            "list the interfaces with `ip -4 addr` and name one that has an address"
-        ) from exc
-    finally:
-        probe.close()
-    return socket.inet_ntoa(reply[20:24])
-
-
-def listen_address(options: dict) -> str:
-    """Where this rank listens: the interface named by ``PLURIBUS_SOCKET_IFNAME``, else the
-    local address that reaches ``MASTER_ADDR``, else loopback."""
-    ifname = options.get("ifname") or os.environ.get(IFNAME_ENV)
-    if ifname:
-        return interface_address(ifname)
-    if options.get("listen_addr"):
-        return str(options["listen_addr"])
-    master = os.environ.get("MASTER_ADDR")
-    if not master:
-        return "127.0.0.1"
-    try:
-        master_ip = socket.gethostbyname(master)
-    except OSError as exc:
-        raise PluribusError(f"MASTER_ADDR={master!r} does not resolve: {exc}") from exc
-    if ipaddress.ip_address(master_ip).is_loopback:
-        return "127.0.0.1"
-    # the address this host uses to reach the master (a UDP connect sends no packet)
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((master_ip, 9))
-        return probe.getsockname()[0]
-    except OSError:
-        return master_ip
-    finally:
-        probe.close()
 
 
 @dataclass
@@ -174,124 +124,49 @@ def connect_mesh(
     shm_capacity: int,
     options: dict,
 ) -> dict[int, PeerConnection]:
-    """Connect this rank to every other rank of the group; return the connections by rank."""
-    deadline = time.monotonic() + timeout
+    """Connect this rank to every other rank of the group (the core's mesh), greet each peer
+    and share memory with the ones on this host; return the connections by rank."""
     me = host_id()
-    address = listen_address(options)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind((address, 0))
-    except OSError as exc:
-        listener.close()
-        raise PluribusError(
-            f"rank {rank}: gloo cannot listen on {address} ({exc}); set {IFNAME_ENV} to the "
-            "interface the ranks reach each other through"
-        ) from exc
-    listener.listen(max(size, 8))
-    port = listener.getsockname()[1]
-    store.set(f"addr/{rank}", f"{address}:{port}")
     peers: dict[int, PeerConnection] = {}
+
+    def greet(sock, peer: int) -> None:
+        if peer < rank:  # this rank connected: it speaks first
+            _send_hello(sock, rank, size, use_shm, me)
+            peer_rank, peer_size, peer_shm, peer_host = _recv_hello(sock)
+        else:
+            peer_rank, peer_size, peer_shm, peer_host = _recv_hello(sock)
+            _send_hello(sock, rank, size, use_shm, me)
+        if peer_rank != peer or peer_size != size:
+            raise PluribusError(
+                f"rank {rank}: expected gloo rank {peer} of {size} but found rank {peer_rank} "
+                f"of {peer_size}; are two jobs sharing a store?"
+            )
+        segment = None
+        if use_shm and peer_shm and peer_host == me:
+            share = _share_memory_as_joiner if peer < rank else _share_memory_as_creator
+            segment = share(sock, shm_capacity)
+        peers[peer] = PeerConnection(peer, sock, peer_host, segment)
+
     try:
-        for peer in range(rank):
-            remaining = max(0.1, deadline - time.monotonic())
-            host, _, peer_port = store.get(f"addr/{peer}", remaining).decode().rpartition(":")
-            where = f"gloo rank {peer} at {host}:{peer_port}"
-            sock = _connect(host, int(peer_port), deadline, rank, where)
-            try:
-                sock.settimeout(max(1.0, deadline - time.monotonic()))
-                client_handshake(sock, token, where)
-                if not server_handshake(sock, token, f"gloo rank {rank}"):
-                    raise AuthenticationError(
-                        f"rank {rank}: {where} answered this rank's challenge with a wrong auth "
-                        "token; every rank must have the same PLURIBUS_AUTH_TOKEN"
-                    )
-                _send_hello(sock, rank, size, use_shm, me)
-                peer_rank, peer_size, peer_shm, peer_host = _recv_hello(sock)
-                if peer_rank != peer or peer_size != size:
-                    raise PluribusError(
-                        f"rank {rank}: expected gloo rank {peer} of {size} at {host}:{peer_port} "
-                        f"but found rank {peer_rank} of {peer_size}; are two jobs sharing a store?"
-                    )
-                segment = None
-                if use_shm and peer_shm and peer_host == me:
-                    segment = _share_memory_as_joiner(sock, shm_capacity)
-                sock.settimeout(None)
-            except BaseException:
-                sock.close()
-                raise
-            peers[peer] = PeerConnection(peer, sock, peer_host, segment)
-        while len(peers) < size - 1:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(rank + 1, size)) - set(peers))
-                raise DistTimeoutError(
-                    f"rank {rank}: gloo ranks {missing} did not connect within {timeout:.0f}s; "
-                    "check that every rank started and can reach this host "
-                    f"({address}:{port}, choose the interface with {IFNAME_ENV})"
-                )
-            listener.settimeout(min(remaining, 1.0))
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                continue
-            accepted = _accept_one(sock, rank, size, token, use_shm, me, shm_capacity, deadline)
-            if accepted is not None:
-                peers[accepted.rank] = accepted
+        socks = tcp_mesh.connect_mesh(
+            rank,
+            size,
+            store,
+            timeout,
+            "gloo connection",
+            key="addr",
+            address=tcp_mesh.listen_address(options),
+            greet=greet,
+            token=token,
+        )
     except BaseException:
         for conn in peers.values():
-            conn.sock.close()
             if conn.segment is not None:
                 conn.segment.close()
         raise
-    finally:
-        listener.close()
-    for conn in peers.values():
-        _tune(conn.sock)
+    for sock in socks.values():
+        _tune(sock)
     return peers
-
-
-def _connect(host: str, port: int, deadline: float, rank: int, where: str) -> socket.socket:
-    delay = 0.01
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=10.0)
-            _tune(sock)
-            return sock
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise PeerError(f"rank {rank}: cannot connect to {where}: {exc}") from exc
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-
-def _accept_one(sock, rank, size, token, use_shm, me, capacity, deadline):
-    """Authenticate and greet one incoming connection; None (and a log line) when refused."""
-    try:
-        sock.settimeout(max(1.0, min(10.0, deadline - time.monotonic())))
-        if not server_handshake(sock, token, f"gloo rank {rank}"):
-            sock.close()
-            return None
-        client_handshake(sock, token, f"a peer of gloo rank {rank}")
-        peer_rank, peer_size, peer_shm, peer_host = _recv_hello(sock)
-        if not (rank < peer_rank < size) or peer_size != size:
-            log.warning(
-                "gloo rank %d: refused a connection claiming to be rank %d of %d",
-                rank,
-                peer_rank,
-                peer_size,
-            )
-            sock.close()
-            return None
-        _send_hello(sock, rank, size, use_shm, me)
-        segment = None
-        if use_shm and peer_shm and peer_host == me:
-            segment = _share_memory_as_creator(sock, capacity)
-        sock.settimeout(None)
-        return PeerConnection(peer_rank, sock, peer_host, segment)
-    except (OSError, ConnectionError, struct.error, AuthenticationError, PluribusError) as exc:
-        log.warning("gloo rank %d: dropped a connection during set-up: %s", rank, exc)
-        sock.close()
-        return None
 
 
 def platform_ok() -> tuple[bool, str]:

@@ -76,7 +76,7 @@ def setup_env(timeout: float | None = None) -> tuple[int, int]:
     Rank 0 picks a free port and, when the job spans several nodes, its host's address; a random
     ``PLURIBUS_AUTH_TOKEN`` is shared too, so that only this job's ranks can use the store.
     """
-    from .backend import abort_on_error_default, install_excepthook, raise_if_any
+    from .failure import abort_on_error_default, install_excepthook, raise_if_any
     from .probe import load_mpi
 
     MPI = load_mpi(initialize=True)
@@ -138,7 +138,7 @@ def mpi_rendezvous(
     from .probe import load_mpi
 
     MPI = load_mpi(initialize=True)
-    from .backend import raise_if_any
+    from .failure import raise_if_any
 
     mpi_rank, mpi_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     problem = None

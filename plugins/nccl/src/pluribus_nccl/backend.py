@@ -278,6 +278,7 @@ class NcclBackend(Backend):
     """One rank of an NCCL communicator, bound to one GPU."""
 
     name = "nccl"
+    detects_failures = True  # its own dead-peer detection and timeouts
     devices = ("cuda",)
 
     def __init__(
@@ -775,13 +776,14 @@ class NcclBackend(Backend):
 
         return self.launch("barrier", body, [buffer])
 
-    # -- the blocking Backend interface -----------------------------------------------------------
+    # -- the blocking Backend interface: enqueue, then order the caller's stream after it --------
+    # (see complete); the core calls these for synchronous calls, ``start`` for async_op=True
 
     def send(self, array: Any, dst: int, tag: int = 0) -> None:
-        self.send_async(array, dst).wait()
+        self.complete(self.send_async(array, dst))
 
     def recv(self, array: Any, src: int, tag: int = 0) -> None:
-        self.recv_async(array, src).wait()
+        self.complete(self.recv_async(array, src))
 
     def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
         ptr = self.runtime.pointer
@@ -795,31 +797,40 @@ class NcclBackend(Backend):
         self.launch("sendrecv", body, [send_array, recv_array]).wait()
 
     def all_reduce(self, array: Any, op: ReduceOp) -> None:
-        self.all_reduce_async(array, op).wait()
+        self.complete(self.all_reduce_async(array, op))
 
     def broadcast(self, array: Any, src: int) -> None:
-        self.broadcast_async(array, src).wait()
+        self.complete(self.broadcast_async(array, src))
 
     def reduce(self, array: Any, dst: int, op: ReduceOp) -> None:
-        self.reduce_async(array, dst, op).wait()
+        self.complete(self.reduce_async(array, dst, op))
 
     def all_gather(self, outputs: list[Any], array: Any) -> None:
-        self.all_gather_async(outputs, array).wait()
+        self.complete(self.all_gather_async(outputs, array))
 
     def reduce_scatter(self, output: Any, inputs: list[Any], op: ReduceOp) -> None:
-        self.reduce_scatter_async(output, inputs, op).wait()
+        self.complete(self.reduce_scatter_async(output, inputs, op))
 
     def all_to_all(self, outputs: list[Any], inputs: list[Any]) -> None:
-        self.all_to_all_async(outputs, inputs).wait()
+        self.complete(self.all_to_all_async(outputs, inputs))
 
     def gather(self, array: Any, outputs: list[Any] | None, dst: int) -> None:
-        self.gather_async(array, outputs, dst).wait()
+        self.complete(self.gather_async(array, outputs, dst))
 
     def scatter(self, array: Any, inputs: list[Any] | None, src: int) -> None:
-        self.scatter_async(array, inputs, src).wait()
+        self.complete(self.scatter_async(array, inputs, src))
 
     def barrier(self) -> None:
+        """Like any barrier, blocks the host until every rank arrived."""
         self.barrier_async().wait()
+
+    def start(self, name: str, args: tuple) -> NcclWork:
+        """Enqueue operation ``name`` on the communication stream from the calling thread and
+        return the CUDA event's Work (the core's ``async_op=True``): CUDA streams keep the
+        order, so no worker thread is needed. NCCL has no tags: send and recv drop theirs."""
+        if name in ("send", "recv"):
+            args = args[:2]
+        return getattr(self, f"{name}_async")(*args)
 
     # -- life cycle --------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ class UccBackend(Backend):
     """One rank's view of a group: group-local ranks mapped to the transport's world ranks."""
 
     name = "ucc"
+    detects_failures = True  # its own dead-peer detection and timeouts
     devices = ("cpu", "cuda")
 
     def __init__(

@@ -23,14 +23,15 @@ import errno
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
 from pluribus.arrays import byte_view
 from pluribus.errors import DistTimeoutError, PeerError, PluribusError
-from pluribus.store import AUTH_TOKEN_ENV, client_handshake, server_handshake
+from pluribus.lifeline import tell
+from pluribus.store import AUTH_TOKEN_ENV
+from pluribus.tcp_mesh import connect_mesh
 
 from .probe import load_ucxx, transports
 
@@ -128,10 +129,8 @@ class Transport:
         self._fd_peer: dict[int, int] = {}
         self._subgroups = 0
 
-        listener = socket.create_server((host, 0), backlog=max(16, size))
         try:
             store.set(f"addr/{rank}", self.worker.address.tobytes())
-            store.set(f"lifeline/{rank}", f"{host}:{listener.getsockname()[1]}")
             self.endpoints = {}
             for peer in range(size):
                 if peer == rank:
@@ -140,51 +139,16 @@ class Transport:
                 self.endpoints[peer] = ucx.UCXEndpoint.create_from_worker_address(
                     self.worker, address, error_handling
                 )
-            self._connect_lifelines(listener, token)
+            lifelines = connect_mesh(
+                rank, size, store, timeout, "ucc lifeline", "lifeline", host, token=token
+            )
+            for peer, sock in lifelines.items():
+                self._add_lifeline(peer, sock)
         except BaseException:
-            listener.close()
             self.close()
             raise
-        listener.close()
 
     # -- wire-up ---------------------------------------------------------------------------------
-    def _connect_lifelines(self, listener: socket.socket, token: str | None) -> None:
-        """Connect to lower ranks, accept higher ones: no two ranks wait on each other."""
-        deadline = time.monotonic() + self.timeout
-        for peer in range(self.rank):
-            host, _, port = (
-                self.store.get(f"lifeline/{peer}", self.timeout).decode().rpartition(":")
-            )
-            where = f"rank {peer}'s lifeline at {host}:{port}"
-            sock = socket.create_connection((host, int(port)), timeout=self.timeout)
-            client_handshake(sock, token, where)
-            sock.sendall(struct.pack("!I", self.rank))
-            self._add_lifeline(peer, sock)
-        expected = set(range(self.rank + 1, self.size))
-        while expected:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DistTimeoutError(
-                    f"rank {self.rank}: ranks {sorted(expected)} did not connect to this rank's "
-                    f"lifeline within {self.timeout:.0f}s; are they running and can they reach "
-                    "this host (set PLURIBUS_UCC_HOST to an address they can reach)?"
-                )
-            listener.settimeout(left)
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(self.timeout)
-            if not server_handshake(conn, token, f"rank {self.rank}'s ucc lifeline"):
-                conn.close()
-                continue
-            (peer,) = struct.unpack("!I", _recv_exact(conn, 4))
-            if peer not in expected:
-                conn.close()
-                continue
-            expected.discard(peer)
-            self._add_lifeline(peer, conn)
-
     def _add_lifeline(self, peer: int, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.lifelines[peer] = sock
@@ -417,15 +381,7 @@ class Transport:
             self.cond.notify_all()
 
     def _tell_peers(self, message: bytes) -> None:
-        for sock in self.lifelines.values():
-            try:
-                sock.setblocking(True)
-                sock.settimeout(1.0)
-                sock.sendall(message)
-            except OSError:
-                pass
-            finally:
-                sock.setblocking(False)
+        tell(self.lifelines.values(), message)
 
     def close(self) -> None:
         with self.lock:
@@ -467,16 +423,6 @@ class Transport:
                     raise
         self.worker = None
         self.context = None
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("a peer closed its lifeline during the handshake")
-        data += chunk
-    return data
 
 
 _thread_devices = threading.local()

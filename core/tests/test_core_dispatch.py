@@ -1,0 +1,199 @@
+"""One dispatch path: synchronous calls skip pluggy only where no plugin could tell, asynchronous
+calls reach a backend's native start, and the flight recorder sees what a wrapper sees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pluribus as pb
+import pytest
+from pluribus import hookimpl, hookspecs
+from pluribus.builtin import threads
+from pluribus.debug import flight_recorder
+from pluribus.operations import OPERATIONS
+from pluribus.testing import run_ranks
+from pluribus.work import CompletedWork
+
+
+class Counting:
+    @hookimpl(wrapper=True)
+    def pluribus_all_reduce(self, group, array, op, async_op):
+        self.calls = getattr(self, "calls", 0) + 1
+        return (yield)
+
+
+@pytest.mark.timeout(60)
+def test_a_plugin_registered_mid_run_sees_the_next_synchronous_call():
+    counting = Counting()
+    manager = pb.get_plugin_manager()
+
+    def body():
+        group = pb.get_default_group()
+        pb.all_reduce(np.ones(2))  # caches the direct all_reduce for float64 SUM
+        before = group.direct("all_reduce", "cpu")
+        pb.barrier()
+        if pb.get_rank() == 0:
+            manager.register(counting, name="test-late")
+        pb.barrier()
+        pb.all_reduce(np.ones(2))
+        return before is not None, group.direct("all_reduce", "cpu") is None
+
+    try:
+        assert run_ranks(body, 2) == [(True, True)] * 2
+    finally:
+        manager.unregister(name="test-late")
+    assert counting.calls == 2
+
+
+@pytest.mark.timeout(60)
+def test_hook_call_monitoring_turns_the_shortcut_off_until_undone():
+    manager = pb.get_plugin_manager()
+    seen = []
+
+    def body():
+        group = pb.get_default_group()
+        undo = manager.add_hookcall_monitoring(lambda name, impls, kw: seen.append(name), print)
+        try:
+            pb.all_reduce(np.ones(2))
+            monitored = group.direct("all_reduce", "cpu")
+        finally:
+            undo()
+        return monitored is None, group.direct("all_reduce", "cpu") is not None
+
+    assert run_ranks(body, 1) == [(True, True)]
+    assert seen.count("pluribus_all_reduce") == 1
+
+
+class Started(threads.ThreadsBackend):
+    """A threads backend that says it starts every operation natively."""
+
+    started: list[str] = []
+
+    def start(self, name, args):
+        self.started.append(name)
+        self.all_reduce_natively(*args)
+        return CompletedWork("native")
+
+    def all_reduce_natively(self, array, op):
+        array *= self.size  # every rank holds the same ones: the sum
+
+
+@hookimpl
+def pluribus_backends():
+    def create(ctx):
+        backend = threads.create(ctx)
+        backend.__class__ = Started
+        return backend
+
+    yield pb.BackendSpec(name="started", create=create)
+
+
+@pytest.mark.timeout(60)
+def test_async_calls_use_the_backends_start_and_sync_calls_its_blocking_path():
+    import sys
+
+    manager = pb.get_plugin_manager()
+    manager.register(sys.modules[__name__], name="test-started")
+    registry = pb.plugins.registry()
+    registry.specs = None  # offer the new backend
+    try:
+
+        def body():
+            x = np.ones(3)
+            work = pb.all_reduce(x, async_op=True)
+            assert work.result() == "native"
+            y = np.ones(3)
+            pb.all_reduce(y)  # the generic algorithm over send/recv
+            return x.tolist(), y.tolist()
+
+        assert run_ranks(body, 2, backend="started", mode="threads") == [([2.0] * 3, [2.0] * 3)] * 2
+    finally:
+        manager.unregister(name="test-started")
+        registry.specs = None
+        pb.plugins._probe_cache.pop("started", None)
+    assert Started.started == ["all_reduce", "all_reduce"]
+
+
+@pytest.mark.timeout(60)
+def test_checks_still_run_on_every_call_after_the_first():
+    def body():
+        pb.all_reduce(np.ones(8))  # caches float64 SUM on the default group
+        errors = []
+        for bad, op in (
+            (np.ones((4, 4))[:, 0], pb.ReduceOp.SUM),  # not contiguous
+            (np.ones(8), pb.ReduceOp.BAND),  # bitwise op on floats
+            ([1.0, 2.0], pb.ReduceOp.SUM),  # not an array
+        ):
+            with pytest.raises((ValueError, TypeError)) as info:
+                pb.all_reduce(bad, op)
+            errors.append(str(info.value))
+        read_only = np.ones(8)
+        read_only.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            pb.all_reduce(read_only)
+        return errors
+
+    for errors in run_ranks(body, 2):
+        assert "not contiguous" in errors[0]
+        assert "BAND needs an integer" in errors[1]
+        assert "must be a numpy or cupy array" in errors[2]
+
+
+class Failing:
+    @hookimpl(tryfirst=True)
+    def pluribus_all_reduce(self, group, array, op, async_op):
+        raise RuntimeError(f"wire cut on rank {group.rank}")
+
+
+@pytest.mark.timeout(60)
+def test_the_flight_recorder_records_synchronous_calls_and_their_failures(monkeypatch):
+    monkeypatch.setenv(flight_recorder.SIZE_ENV, "8")
+    recorder = flight_recorder.recorder
+    recorder.entries.clear()
+    manager = pb.get_plugin_manager()
+
+    def body():
+        rank = pb.get_rank()
+        x = np.ones((2, 3), dtype=np.float32)
+        pb.broadcast(x, src=0)
+        pb.all_reduce(x, pb.ReduceOp.MAX)
+        pb.all_reduce(x, pb.ReduceOp.MAX)  # the public all_reduce's cached shortcut
+        manager.register(Failing(), name=f"test-failing-{rank}")
+        try:
+            with pytest.raises(RuntimeError, match="wire cut"):
+                pb.all_reduce(x)
+        finally:
+            manager.unregister(name=f"test-failing-{rank}")
+
+    try:
+        run_ranks(body, 1)
+        entries = recorder.snapshot()
+    finally:
+        monkeypatch.delenv(flight_recorder.SIZE_ENV)
+        recorder.configure()
+    assert [(e["op"], e["seq"], e["state"]) for e in entries] == [
+        ("broadcast", 1, "completed"),
+        ("all_reduce", 2, "completed"),
+        ("all_reduce", 3, "completed"),
+        ("all_reduce", 4, "failed"),
+    ]
+    assert entries[2]["shape"] == [2, 3] and entries[2]["dtype"] == "float32"
+    assert entries[2]["reduce_op"] == "max" and entries[2]["bytes"] == 24
+    assert entries[0]["root"] == 0
+    assert "RuntimeError: wire cut on rank 0" in entries[3]["error"]
+    wrappers = [i for i in manager.hook.pluribus_all_reduce.get_hookimpls() if i.wrapper]
+    assert not wrappers, "the recorder is the core's, not a hook wrapper"
+
+
+def test_every_operation_hook_takes_the_tables_arguments():
+    for op in OPERATIONS.values():
+        code = getattr(hookspecs, op.hook_name).__code__
+        assert code.co_varnames[: code.co_argcount] == ("group", *op.args, "async_op")
+    assert not hasattr(hookspecs, "pluribus_bind_collective")
+
+
+def test_the_key_array_and_written_arguments_come_from_the_table():
+    a, b = np.ones(2), np.zeros(2)
+    assert OPERATIONS["all_to_all"].key_array(([b], [a])) is a
+    assert OPERATIONS["gather"].written_indices == (1,)
+    assert OPERATIONS["barrier"].key_array(()) is None
+    assert not OPERATIONS["send"].collective

@@ -1,0 +1,121 @@
+"""What happens when something fails on MPI: the watchdog that ends the job when a blocking call
+outlives its timeout (MPI cannot cancel one), raising on every rank when any rank found a problem
+at start-up, and MPI_Abort on an uncaught exception so that no rank waits for a dead one."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pluribus.errors import DistTimeoutError, PluribusError
+
+from .datatypes import MPI
+from .work import describe
+
+if TYPE_CHECKING:
+    from .backend import MPIBackend
+
+#: ``PLURIBUS_MPI_ABORT_ON_ERROR=0`` keeps the default ``sys.excepthook`` (no MPI_Abort).
+ABORT_ENV = "PLURIBUS_MPI_ABORT_ON_ERROR"
+#: How often the watchdog looks at a blocking call's deadline, in seconds.
+WATCHDOG_PERIOD = 0.25
+
+
+def watch_blocking_calls(backend: MPIBackend) -> None:
+    """The watchdog thread of ``backend``: end the job when one blocking call has run for the
+    timeout (give or take a period:
+    a call is timed from when the watchdog first sees it)."""
+    seen, since = None, 0.0
+    while not backend.closed:
+        time.sleep(WATCHDOG_PERIOD)
+        watched = backend._watched
+        if watched is not seen:  # no call, or another one: ``seen`` keeps it alive
+            seen, since = watched, time.monotonic()
+            continue
+        if watched is None or time.monotonic() - since < backend.timeout:
+            continue
+        description = describe(watched[0], watched[1], backend.group_name)
+        error = DistTimeoutError(
+            f"rank {backend.rank}: {description} did not complete within {backend.timeout:.1f}s: "
+            "another rank of the group has not started the same operation (or died)"
+        )
+        report = (
+            f"pluribus-mpi: {type(error).__name__}: {error}\n"
+            f"pluribus-mpi: rank {backend.rank} calls MPI_Abort to end all ranks (MPI cannot "
+            "cancel a blocking collective)\n"
+        )
+        try:
+            os.write(2, report.encode(errors="replace"))
+        except OSError:
+            pass
+        time.sleep(0.2)  # let mpiexec forward the report
+        MPI.COMM_WORLD.Abort(1)
+        return
+
+
+def raise_if_any(comm: Any, problem: str | None, what: str) -> None:
+    """Raise on every rank when any rank found a ``problem`` (so that none waits for it)."""
+    problems = [p for p in comm.allgather(problem) if p]  # start-up only: pickling is fine
+    if problem:
+        raise PluribusError(problem)
+    if problems:
+        raise PluribusError(
+            f"rank {comm.Get_rank()}: could not {what} because another rank failed: {problems[0]}"
+        )
+
+
+def abort_on_error_default() -> bool:
+    return os.environ.get(ABORT_ENV, "1").strip().lower() not in ("0", "false", "no")
+
+
+_hook_lock = threading.Lock()
+_previous_hook: Callable | None = None
+
+
+def install_excepthook() -> None:
+    """On an uncaught exception print the traceback, then MPI_Abort the whole job, so that the
+    other ranks do not wait forever for this one (what ``python -m mpi4py`` does)."""
+    global _previous_hook
+    with _hook_lock:
+        if _previous_hook is not None:
+            return
+        _previous_hook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
+
+
+def uninstall_excepthook() -> None:
+    global _previous_hook
+    with _hook_lock:
+        if _previous_hook is not None and sys.excepthook is _abort_on_uncaught:
+            sys.excepthook = _previous_hook
+        _previous_hook = None
+
+
+def _abort_on_uncaught(exc_type, exc, tb) -> None:
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    message = f"pluribus-mpi: uncaught exception on rank {rank} of {size}:\n{text}"
+    aborting = size > 1 and MPI.Is_initialized() and not MPI.Is_finalized()
+    if aborting:
+        message += f"pluribus-mpi: rank {rank} calls MPI_Abort to end all {size} ranks\n"
+    if _previous_hook not in (None, sys.__excepthook__):
+        try:  # a hook someone else installed (an error-file writer, say) still runs
+            _previous_hook(exc_type, exc, tb)
+        except BaseException:
+            pass
+    sys.stdout.flush()
+    # One write, so that mpiexec forwards the whole report before MPI_Abort ends the job.
+    try:
+        sys.stderr.flush()
+        os.write(2, message.encode(errors="replace"))
+    except OSError:
+        pass
+    if aborting:
+        time.sleep(0.2)  # let mpiexec's output forwarding drain before every rank is killed
+        world.Abort(1)
