@@ -1,0 +1,42 @@
+"""Pipeline parallelism: a model cut into stages on different ranks, micro-batches streamed
+through them by a schedule that is plain data you can print, check and simulate before running.
+
+* :mod:`.schedules`: actions, programs and the built-in schedules (GPipe, 1F1B, interleaved
+  1F1B, ZB-H1) as per-rank action lists.
+* :mod:`.checker`: proves a program completes (matched sends, no wait-for cycle).
+* :mod:`.simulator`: step time, bubble and in-flight activations from per-action costs.
+"""
+
+from .checker import ScheduleError, check, execution_order
+from .schedules import (
+    SCHEDULES,
+    Action,
+    Program,
+    build,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    with_communication,
+    zero_bubble,
+)
+from .simulator import UNIT_COSTS, Event, Simulation, bubble_closed_form, simulate
+
+__all__ = [
+    "SCHEDULES",
+    "UNIT_COSTS",
+    "Action",
+    "Event",
+    "Program",
+    "ScheduleError",
+    "Simulation",
+    "bubble_closed_form",
+    "build",
+    "check",
+    "execution_order",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "simulate",
+    "with_communication",
+    "zero_bubble",
+]
