@@ -5,9 +5,21 @@ through them by a schedule that is plain data you can print, check and simulate 
   1F1B, ZB-H1) as per-rank action lists.
 * :mod:`.checker`: proves a program completes (matched sends, no wait-for cycle).
 * :mod:`.simulator`: step time, bubble and in-flight activations from per-action costs.
+* :mod:`.stage` and :mod:`.runtime`: :class:`PipelineStage` and the schedule classes that
+  replay a program on real ranks.
 """
 
 from .checker import ScheduleError, check, execution_order
+from .runtime import (
+    SCHEDULE_CLASSES,
+    PipelineError,
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleFromProgram,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+)
 from .schedules import (
     SCHEDULES,
     Action,
@@ -20,8 +32,18 @@ from .schedules import (
     zero_bubble,
 )
 from .simulator import UNIT_COSTS, Event, Simulation, bubble_closed_form, simulate
+from .stage import PipelineStage
 
 __all__ = [
+    "SCHEDULE_CLASSES",
+    "PipelineError",
+    "PipelineSchedule",
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleFromProgram",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZeroBubble",
     "SCHEDULES",
     "UNIT_COSTS",
     "Action",

@@ -25,6 +25,7 @@ model the checker and the simulator reason about.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -207,38 +208,54 @@ def interleaved_1f1b(num_ranks: int, stages_per_rank: int, num_microbatches: int
     """Megatron's interleaved 1F1B: rank ``r`` holds stages ``r, r + p, ...`` (``v`` of them)
     and runs them in rounds of ``p`` micro-batches, which cuts the bubble about ``v`` times.
 
-    Needs ``m`` to be a multiple of ``p`` (each round fills every rank), as in Megatron."""
+    Megatron takes ``m`` a multiple of ``p``. Here any ``m <= p`` works too (all forwards
+    first), and any other ``m`` whose last, partial round the checker proves deadlock-free;
+    the others are refused with the list of valid counts.
+    """
     p, v, m = num_ranks, stages_per_rank, num_microbatches
     _check_sizes("Interleaved1F1B", p, m, v)
-    if m % p:
-        raise ValueError(
-            f"Interleaved1F1B: {m} micro-batches cannot be interleaved over {p} ranks; valid "
-            f"counts are the multiples of {p} ({p}, {2 * p}, {3 * p}, ...)"
-        )
+    program = _interleaved(p, v, m)
+    if m > p and m % p:
+        if not _interleaved_ok(p, v, m):
+            valid = [k for k in range(1, 4 * p + 1) if _interleaved_ok(p, v, k)]
+            raise ValueError(
+                f"Interleaved1F1B: {m} micro-batches deadlock in the interleaved order over {p} "
+                f"ranks with {v} stages each; valid counts up to {4 * p} are "
+                f"{', '.join(map(str, valid))} (any multiple of {p} works)"
+            ) from None
+    return program
+
+
+@functools.lru_cache(maxsize=4096)
+def _interleaved_ok(p: int, v: int, m: int) -> bool:
+    from .checker import ScheduleError, check
+
+    if m <= p or m % p == 0:
+        return True
+    try:
+        check(_interleaved(p, v, m))
+    except ScheduleError:
+        return False
+    return True
+
+
+def _interleaved(p: int, v: int, m: int) -> Program:
     total = v * m
-
-    def order(k: int, backward: bool) -> tuple[int, int]:
-        """The k-th forward (or backward) of a rank: its chunk and micro-batch."""
-        round_, within = divmod(k, p * v)
-        chunk = within // p
-        return (v - 1 - chunk if backward else chunk), round_ * p + within % p
-
+    forwards: list[tuple[int, int]] = []  # (chunk, micro-batch) in the order each rank runs them
+    backwards: list[tuple[int, int]] = []
+    for first in range(0, m, p):
+        round_ = range(first, min(first + p, m))
+        forwards += [(c, mb) for c in range(v) for mb in round_]
+        backwards += [(c, mb) for c in reversed(range(v)) for mb in round_]
     lists = []
     for r in range(p):
-        warmup = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
-
-        def fwd(k: int, r: int = r) -> Action:
-            chunk, mb = order(k, False)
-            return Action(chunk * p + r, F, mb)
-
-        def bwd(k: int, r: int = r) -> Action:
-            chunk, mb = order(k, True)
-            return Action(chunk * p + r, B, mb)
-
-        acts = [fwd(k) for k in range(warmup)]
+        warmup = total if m <= p else min((p - r - 1) * 2 + (v - 1) * p, total)
+        fwd = [Action(c * p + r, F, mb) for c, mb in forwards]
+        bwd = [Action(c * p + r, B, mb) for c, mb in backwards]
+        acts = fwd[:warmup]
         for k in range(total - warmup):
-            acts += [fwd(warmup + k), bwd(k)]
-        acts += [bwd(k) for k in range(total - warmup, total)]
+            acts += [fwd[warmup + k], bwd[k]]
+        acts += bwd[total - warmup :]
         lists.append(acts)
     placement = tuple(s % p for s in range(p * v))
     return with_communication(Program("Interleaved1F1B", m, placement, lists))
