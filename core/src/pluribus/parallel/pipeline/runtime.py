@@ -176,8 +176,10 @@ class PipelineSchedule:
         index = 0  # the next action to run
         failure: str | None = None
         error: BaseException | None = None
+        started = False
         try:
             self._prepare(inputs, target)
+            started = True
             for action in actions:
                 start = time.time()
                 self._run(action)
@@ -185,7 +187,7 @@ class PipelineSchedule:
                 index += 1
             self._finish_sends()
         except BaseException as exc:
-            failure = self._fail(exc, actions, index)
+            failure = self._fail(exc, actions, index, started)
             error = exc
         self._agree(failure, error)
         if losses is not None and self._losses:
@@ -242,16 +244,15 @@ class PipelineSchedule:
             self._buffers[(B, s, mb)] = self._recv(a, owner[s + 1], s + 1)
 
     def _forward(self, s: int, mb: int, x: Any) -> Any:
-        stage = self._stage(s)
         try:
-            return stage.forward(mb, x)
-        except Exception as exc:
+            return self._stage(s).forward(mb, x)
+        except (ValueError, TypeError) as exc:  # what layers raise for an input they cannot take
             if s == 0:
                 raise
             src = self.program.stage_to_rank[s - 1]
             raise type(exc)(
-                f"stage {s} (rank {self.rank}) could not take the output of stage {s - 1} (rank "
-                f"{src}), shape {tuple(x.shape)} {x.dtype}: {exc}"
+                f"{exc} (its input, shape {tuple(x.shape)} {x.dtype}, is the output of stage "
+                f"{s - 1} on rank {src})"
             ) from exc
 
     def _loss(self, mb: int, y: Any) -> Any:
@@ -321,12 +322,12 @@ class PipelineSchedule:
 
     # -- failure ------------------------------------------------------------------------------
 
-    def _fail(self, exc: BaseException, actions: list[Action], index: int) -> str:
+    def _fail(self, exc: BaseException, actions: list[Action], index: int, started: bool) -> str:
         """Send an error in place of every message still owed; return the error's text."""
         if isinstance(exc, _PeerFailed):
             text = exc.text
         else:
-            action = actions[index] if index < len(actions) else None
+            action = actions[index] if started and index < len(actions) else None
             during = f" during {action}" if action is not None else " before the step"
             stages = ", ".join(str(s.stage_index) for s in self.stages)
             text = (
