@@ -100,3 +100,65 @@ def check_parity(results_per_rank, m: int, steps: int = 2) -> None:
         assert sorted(merged) == sorted(grads), "every parameter lives on exactly one rank"
         for name, g in grads.items():
             np.testing.assert_allclose(merged[name], g, rtol=1e-10, atol=1e-13, err_msg=name)
+
+
+def tiny_gpt() -> nn.GPT:
+    config = nn.GPTConfig(vocab_size=16, tie_weights=False, **nn.PRESETS["tiny"])
+    return nn.GPT(config, dtype=np.float64, rng=0)
+
+
+def gpt_batches(m: int, lengths=(8, 5)):
+    """Token batches whose sequence length changes from step to step."""
+    rng = np.random.default_rng(3)
+    return [(rng.integers(0, 16, (2 * m, t)), rng.integers(0, 16, (2 * m, t))) for t in lengths]
+
+
+def gpt_reference(m: int):
+    gpt, loss_fn = tiny_gpt(), nn.CrossEntropyLoss()
+    out = []
+    for idx, tgt in gpt_batches(m):
+        logits = gpt.forward(idx)
+        loss = float(loss_fn.forward(logits.reshape(-1, 16), tgt.reshape(-1)))
+        gpt.backward(loss_fn.backward().reshape(logits.shape))
+        out.append((loss, [q.grad.copy() for q in gpt.parameters()]))
+        gpt.zero_grad()
+    return out
+
+
+def gpt_pipeline_on_rank(name: str, m: int, by: str = "params"):
+    """The GPT cut by the splitter into one stage per rank; per step the losses and the
+    gradient of each GPT parameter this rank holds (by its index in gpt.parameters())."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    gpt = tiny_gpt()
+    sample = gpt_batches(m)[0][0][:2] if by == "time" else None
+    parts = pp.split_gpt(gpt, p, by=by, sample_input=sample)
+    stage = pp.PipelineStage(parts[rank], rank, p)
+    schedule = pp.SCHEDULE_CLASSES[name](stage, m, nn.CrossEntropyLoss())
+    mine = {id(q) for q in parts[rank].parameters()}
+    out = []
+    for idx, tgt in gpt_batches(m):
+        losses: list = []
+        schedule.step(idx, target=tgt, losses=losses)
+        grads = {i: q.grad.copy() for i, q in enumerate(gpt.parameters()) if id(q) in mine}
+        out.append(([float(v) for v in losses], grads))
+        gpt.zero_grad()
+    return out
+
+
+def pipeline_ddp_on_rank(name: str, m: int):
+    """Four ranks as a 2 x 2 layout: pipelines {0, 1} and {2, 3}, data-parallel pairs {0, 2}
+    and {1, 3}; each pipeline takes half the batch. Returns this rank's gradients by name."""
+    rank = dist.get_rank()
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipe, pair = pipes[rank // 2], pairs[rank % 2]
+    model = blocks_model()
+    stages = stages_on_rank(model, 2, 1, group=pipe)
+    schedule = pp.SCHEDULE_CLASSES[name](stages, m, nn.MSELoss(), data_parallel_group=pair)
+    (x, y), half = batches(m, 1)[0], rank // 2
+    rows = x.shape[0] // 2
+    x, y = x[half * rows : (half + 1) * rows], y[half * rows : (half + 1) * rows]
+    losses: list = []
+    schedule.step(x, target=y, losses=losses)
+    mine = {id(q) for s in stages for q in s.module.parameters()}
+    return {n: q.grad.copy() for n, q in model.named_parameters() if id(q) in mine}, losses

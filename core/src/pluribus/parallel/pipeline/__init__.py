@@ -7,6 +7,7 @@ through them by a schedule that is plain data you can print, check and simulate 
 * :mod:`.simulator`: step time, bubble and in-flight activations from per-action costs.
 * :mod:`.stage` and :mod:`.runtime`: :class:`PipelineStage` and the schedule classes that
   replay a program on real ranks.
+* :mod:`.split`: cut an ``nn.Sequential`` or a GPT into balanced stages.
 """
 
 from .checker import ScheduleError, check, execution_order
@@ -32,9 +33,27 @@ from .schedules import (
     zero_bubble,
 )
 from .simulator import UNIT_COSTS, Event, Simulation, bubble_closed_form, simulate
+from .split import (
+    GPTEmbedding,
+    GPTHead,
+    balance,
+    gpt_layers,
+    measured_costs,
+    parameter_costs,
+    split_gpt,
+    split_sequential,
+)
 from .stage import PipelineStage
 
 __all__ = [
+    "GPTEmbedding",
+    "GPTHead",
+    "balance",
+    "gpt_layers",
+    "measured_costs",
+    "parameter_costs",
+    "split_gpt",
+    "split_sequential",
     "SCHEDULE_CLASSES",
     "PipelineError",
     "PipelineSchedule",
