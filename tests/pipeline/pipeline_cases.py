@@ -162,3 +162,19 @@ def pipeline_ddp_on_rank(name: str, m: int):
     schedule.step(x, target=y, losses=losses)
     mine = {id(q) for s in stages for q in s.module.parameters()}
     return {n: q.grad.copy() for n, q in model.named_parameters() if id(q) in mine}, losses
+
+
+def traced_step_on_rank(name: str, m: int):
+    """One step; every rank's events, this rank's activation ledger, and the program."""
+    p = dist.get_world_size()
+    stages = stages_on_rank(blocks_model(), p, 1)
+    schedule = pp.SCHEDULE_CLASSES[name](stages, m, nn.MSELoss())
+    x, y = batches(m, 1)[0]
+    schedule.step(x, target=y)
+    s = stages[0]
+    return (
+        pp.gather_events(schedule),
+        s.peak_microbatches,
+        s.peak_activation_bytes,
+        schedule.program,
+    )

@@ -8,6 +8,8 @@ through them by a schedule that is plain data you can print, check and simulate 
 * :mod:`.stage` and :mod:`.runtime`: :class:`PipelineStage` and the schedule classes that
   replay a program on real ranks.
 * :mod:`.split`: cut an ``nn.Sequential`` or a GPT into balanced stages.
+* :mod:`.trace`: a real step's timeline, its measured bubble, and Perfetto files of it next to
+  the simulator's prediction.
 """
 
 from .checker import ScheduleError, check, execution_order
@@ -44,8 +46,14 @@ from .split import (
     split_sequential,
 )
 from .stage import PipelineStage
+from .trace import action_costs, gather_events, measured, perfetto, write_trace
 
 __all__ = [
+    "gather_events",
+    "measured",
+    "action_costs",
+    "perfetto",
+    "write_trace",
     "GPTEmbedding",
     "GPTHead",
     "balance",
