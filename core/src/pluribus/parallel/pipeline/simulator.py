@@ -66,13 +66,14 @@ def _cost_function(costs: Costs | None) -> Callable[[int, Action], float]:
     table.update(costs or {})
     if B not in (costs or {}) and (I in (costs or {}) or W in (costs or {})):
         table[B] = table[I] + table[W]
-    return lambda rank, action: table[action.kind]
+    return lambda rank, action: table.get(action.kind, 0.0)
 
 
 def simulate(program: Program, costs: Costs | None = None, comm: float = 0.0) -> Simulation:
     """Run ``program`` on a clock. ``costs`` maps kinds to durations (missing kinds take
-    :data:`UNIT_COSTS`; ``B`` defaults to ``I + W``) or is ``costs(rank, action)``; ``comm`` is
-    the time a message takes from send to receive."""
+    :data:`UNIT_COSTS`, sends and receives 0; ``B`` defaults to ``I + W``) or is
+    ``costs(rank, action)``; a send costs its sender that long, a receive its receiver that
+    long after the message arrived. ``comm`` is the time from send to arrival."""
     cost = _cost_function(costs)
     order = check(program)
     finish: dict[tuple[int, int], float] = {}
@@ -87,11 +88,8 @@ def simulate(program: Program, costs: Costs | None = None, comm: float = 0.0) ->
         start = clock[rank]
         if a.kind in (RECV_F, RECV_B):
             start = max(start, sent_at[_recv_source(program, a)] + comm)
-            duration = 0.0
-        elif a.kind in (SEND_F, SEND_B):
-            duration = 0.0
-        else:
-            duration = float(cost(rank, a))
+        duration = float(cost(rank, a))
+        if a.is_compute:
             busy[rank] += duration
         end = start + duration
         if a.kind in (SEND_F, SEND_B):

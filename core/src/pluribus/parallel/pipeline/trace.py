@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import distributed as dist
-from .schedules import COMPUTE, Action, B, F, I, W
+from .schedules import COMPUTE, RECV_B, RECV_F, Action, B, F, I, W
 from .simulator import Event, Simulation
 
 
@@ -57,17 +57,15 @@ def measured(events: Iterable[Event]) -> Simulation:
 
 
 def action_costs(events: Iterable[Event]) -> Callable[[int, Action], float]:
-    """Mean measured duration of each (stage, kind): costs for the simulator."""
+    """Costs for the simulator from a run: the mean time of each (stage, kind) of compute and
+    send, and for receives the shortest (a receive's time beyond that is waiting)."""
     spent: dict[tuple[int, str], list[float]] = defaultdict(list)
     for e in events:
-        if e.action.kind in COMPUTE:
-            spent[(e.action.stage, e.action.kind)].append(e.end - e.start)
-    mean = {key: sum(v) / len(v) for key, v in spent.items()}
-
-    def cost(rank: int, action: Action) -> float:
-        return mean[(action.stage, action.kind)]
-
-    return cost
+        spent[(e.action.stage, e.action.kind)].append(e.end - e.start)
+    cost = {
+        key: min(v) if key[1] in (RECV_F, RECV_B) else sum(v) / len(v) for key, v in spent.items()
+    }
+    return lambda rank, action: cost[(action.stage, action.kind)]
 
 
 def perfetto(timelines: Mapping[str, Iterable[Event]], unit_seconds: float = 1.0) -> dict:
