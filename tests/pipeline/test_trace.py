@@ -21,6 +21,11 @@ def test_measured_timeline_matches_the_program_and_writes_a_perfetto_file(tmp_pa
     assert run.peak_in_flight == predicted.peak_in_flight == [min(p - r, m) for r in range(p)]
     assert all(0 < b <= run.step_time for b in run.busy)
     assert 0 < run.bubble < 1 and 0 < predicted.bubble < 1
+    # with each action's own time, the simulator can only be early: a real receive waits at
+    # least as long as the model's (no latency), and everything else takes what it took
+    exact = pp.simulate(program, pp.action_costs(events, per_action=True))
+    assert exact.step_time <= run.step_time * (1 + 1e-9)
+    assert exact.busy == pytest.approx(run.busy)
     # each rank ran exactly its program, in order
     for rank in range(p):
         ran = [e.action for e in sorted(events, key=lambda e: e.start) if e.rank == rank]

@@ -56,15 +56,23 @@ def measured(events: Iterable[Event]) -> Simulation:
     return Simulation(end - start, busy, peak, peak_w, shifted)
 
 
-def action_costs(events: Iterable[Event]) -> Callable[[int, Action], float]:
+def action_costs(
+    events: Iterable[Event], per_action: bool = False
+) -> Callable[[int, Action], float]:
     """Costs for the simulator from a run: the mean time of each (stage, kind) of compute and
-    send, and for receives the shortest (a receive's time beyond that is waiting)."""
+    send, and for receives the shortest (a receive's time beyond that is waiting). With
+    ``per_action`` each compute action and send costs exactly what it took in the run, which
+    tests the simulator's model of the schedule rather than the averaging of costs."""
+    events = list(events)
     spent: dict[tuple[int, str], list[float]] = defaultdict(list)
     for e in events:
         spent[(e.action.stage, e.action.kind)].append(e.end - e.start)
     cost = {
         key: min(v) if key[1] in (RECV_F, RECV_B) else sum(v) / len(v) for key, v in spent.items()
     }
+    exact = {e.action: e.end - e.start for e in events if e.action.kind not in (RECV_F, RECV_B)}
+    if per_action:
+        return lambda rank, action: exact.get(action, cost[(action.stage, action.kind)])
     return lambda rank, action: cost[(action.stage, action.kind)]
 
 
