@@ -94,14 +94,16 @@ def analyse(name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | 
     for k, step in enumerate(result_per_rank[0]["steps"]):
         events = [Event(r, pp.Action.parse(a), s, e) for r, a, s, e in step["events"]]
         run = pp.measured(events)
-        predicted = pp.simulate(program, pp.action_costs(events, per_action=True))
-        from_means = pp.simulate(program, pp.action_costs(events))
+        latency = pp.message_latency(events, program)
+        predicted = pp.simulate(program, pp.action_costs(events, per_action=True), latency)
+        from_means = pp.simulate(program, pp.action_costs(events), latency)
         cost = pp.action_costs(events)
         kinds = {(e.action.stage, e.action.kind): e.action for e in events if e.action.is_compute}
         rows.append(
             {
                 "costs_ms": {f"{s}{k}": round(cost(0, a) * 1e3, 2) for (s, k), a in kinds.items()},
                 "step_s": run.step_time,
+                "message_latency_s": latency,
                 "measured_bubble": run.bubble,
                 "predicted_bubble": predicted.bubble,
                 "predicted_step_s": predicted.step_time,

@@ -26,6 +26,7 @@ def test_measured_timeline_matches_the_program_and_writes_a_perfetto_file(tmp_pa
     exact = pp.simulate(program, pp.action_costs(events, per_action=True))
     assert exact.step_time <= run.step_time * (1 + 1e-9)
     assert exact.busy == pytest.approx(run.busy)
+    assert 0 <= pp.message_latency(events, program) < run.step_time
     # each rank ran exactly its program, in order
     for rank in range(p):
         ran = [e.action for e in sorted(events, key=lambda e: e.start) if e.rank == rank]
@@ -48,8 +49,6 @@ def test_activation_ledger_1f1b_stays_at_p_while_gpipe_grows_with_m(m):
     one_f = run_ranks(traced_step_on_rank, p, args=("1F1B", m), timeout=60)
     assert [r[1] for r in gpipe] == [m, m]
     assert [r[1] for r in one_f] == [min(p, m), 1]
-    # bytes: on the last stage every micro-batch holds the same activations (on the first,
-    # the micro-batches are views of the input batch, which counts whole)
-    assert gpipe[1][2] == m * one_f[1][2]
-    if m > p:
-        assert one_f[0][2] < gpipe[0][2] / 2
+    # bytes: every micro-batch holds the same activations
+    for rank in range(p):
+        assert gpipe[rank][2] == m * one_f[rank][2] / min(p - rank, m)

@@ -46,11 +46,12 @@ from .split import (
     split_sequential,
 )
 from .stage import PipelineStage
-from .trace import action_costs, gather_events, measured, perfetto, write_trace
+from .trace import action_costs, gather_events, measured, message_latency, perfetto, write_trace
 
 __all__ = [
     "gather_events",
     "measured",
+    "message_latency",
     "action_costs",
     "perfetto",
     "write_trace",

@@ -207,7 +207,8 @@ class PipelineSchedule:
                     f"stage 0 ({where}) takes one input batch, got {len(inputs)} arguments"
                 )
             for mb, x in enumerate(self._split(inputs[0], f"stage 0 ({where}): the input")):
-                self._buffers[(F, 0, mb)] = x
+                # a copy: the activations a micro-batch keeps must not pin the whole batch
+                self._buffers[(F, 0, mb)] = x.copy()
         last = self.program.num_stages - 1
         if last in self._by_index:
             if self.loss_fn is None:

@@ -13,20 +13,31 @@ from __future__ import annotations
 from typing import Any
 
 from ...distributed import get_default_group
+from ...nn.layers import GELU, Dropout, Linear, ReLU, Tanh
 from ...nn.memory import _arrays, _Counter
-from ...nn.module import Module
+from ...nn.module import Module, Sequential
+
+
+def _leaves(module: Module) -> list[Module]:
+    """The layers of nested ``Sequential``s, in the order they run (other modules whole)."""
+    if isinstance(module, Sequential):
+        return [leaf for child in module for leaf in _leaves(child)]
+    return [module]
 
 
 def _features(module: Module, first: bool) -> int | None:
-    """The input width of the first (or output width of the last) layer that declares one."""
-    mods = [m for _, m in module.named_modules()]
-    attr = "in_features" if first else "out_features"
-    for m in mods if first else reversed(mods):
-        if hasattr(m, attr):
-            return int(getattr(m, attr))
-        if hasattr(m, "embed_dim") or hasattr(m, "normalized_shape"):
-            return None  # a layer whose width is not a Linear's: do not guess past it
+    """The input width of the stage's first layer (or output width of its last, looking past
+    element-wise layers) when that layer is a ``Linear`` of nested ``Sequential``s; else None.
+    Only then is the width certain: other modules may register layers in another order."""
+    leaves = _leaves(module)
+    if not first:
+        leaves = [m for m in reversed(leaves) if not isinstance(m, _ELEMENTWISE)]
+    if leaves and isinstance(leaves[0], Linear):
+        return int(leaves[0].in_features if first else leaves[0].out_features)
     return None
+
+
+_ELEMENTWISE = (ReLU, Tanh, GELU, Dropout)
 
 
 class PipelineStage:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ... import distributed as dist
-from .schedules import COMPUTE, RECV_B, RECV_F, Action, B, F, I, W
+from .checker import _recv_source
+from .schedules import COMPUTE, RECV_B, RECV_F, Action, B, F, I, Program, W
 from .simulator import Event, Simulation
 
 
@@ -74,6 +76,20 @@ def action_costs(
     if per_action:
         return lambda rank, action: exact.get(action, cost[(action.stage, action.kind)])
     return lambda rank, action: cost[(action.stage, action.kind)]
+
+
+def message_latency(events: Iterable[Event], program: Program) -> float:
+    """The median time from a send's end to its receive's end, over the receives that were
+    already waiting when the message was sent: ``comm`` for the simulator (0 if none waited)."""
+    events = list(events)
+    by_action = {(e.rank, e.action): e for e in events}
+    transits = []
+    for e in events:
+        if e.action.kind in (RECV_F, RECV_B):
+            send = by_action.get(_recv_source(program, e.action))
+            if send is not None and e.start <= send.end:
+                transits.append(e.end - send.end)
+    return statistics.median(transits) if transits else 0.0
 
 
 def perfetto(timelines: Mapping[str, Iterable[Event]], unit_seconds: float = 1.0) -> dict:
