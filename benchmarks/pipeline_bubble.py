@@ -126,6 +126,10 @@ def analyse(name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | 
         "steps": rows,
         "median_measured_bubble": statistics.median(r["measured_bubble"] for r in rows),
         "median_predicted_bubble": statistics.median(r["predicted_bubble"] for r in rows),
+        # per step |measured - predicted| / predicted, then the median over steps
+        "median_relative_difference": statistics.median(
+            abs(r["measured_bubble"] - r["predicted_bubble"]) / r["predicted_bubble"] for r in rows
+        ),
         "median_predicted_bubble_mean_costs": statistics.median(
             r["predicted_bubble_mean_costs"] for r in rows
         ),

@@ -225,3 +225,31 @@ def test_a_stage_raising_mid_step_reaches_every_rank_naming_it(name, bad_stage, 
         assert f"during {during}: boom" in text, text
         if rank != bad_stage:
             assert "on another rank" in text
+
+
+class BadGradient(nn.Module):
+    """The identity forward; backward returns a gradient with one row too few."""
+
+    def forward(self, x):
+        return x
+
+    def backward(self, g):
+        return g[1:]
+
+
+def _wrong_gradient_shape():
+    rank = dist.get_rank()
+    stages = stages_on_rank(blocks_model(), 2, 1)
+    if rank == 1:
+        stages = [pp.PipelineStage(nn.Sequential(BadGradient(), *stages[0].module), 1, 2)]
+    pp.Schedule1F1B(stages, 2, nn.MSELoss()).step(np.ones((4, 6)), target=np.ones((4, 6)))
+
+
+def test_a_gradient_shaped_unlike_the_output_names_both_stages_on_every_rank():
+    errors = _errors(_wrong_gradient_shape)
+    assert sorted(errors) == [0, 1]
+    for text in errors.values():
+        assert (
+            "stage 1 (rank 1) sent a gradient of shape (1, 6) for micro-batch 0, but the output "
+            "of stage 0 (rank 0) had shape (2, 6)" in text
+        )
