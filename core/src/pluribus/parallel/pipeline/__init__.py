@@ -12,7 +12,7 @@ through them by a schedule that is plain data you can print, check and simulate 
   the simulator's prediction.
 """
 
-from .checker import ScheduleError, check, execution_order
+from .checker import ScheduleError, check, execution_order, sender_of
 from .runtime import (
     SCHEDULE_CLASSES,
     PipelineError,
@@ -83,6 +83,7 @@ __all__ = [
     "build",
     "check",
     "execution_order",
+    "sender_of",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",

@@ -29,7 +29,7 @@ class ScheduleError(ValueError):
         super().__init__(f"schedule {name!r} is rejected:\n  " + "\n  ".join(shown))
 
 
-def _where(program: Program, rank: int, index: int, action: Action) -> str:
+def _where(rank: int, index: int, action: Action) -> str:
     return f"rank {rank} action {index} ({action})"
 
 
@@ -43,7 +43,7 @@ def _structure(program: Program) -> list[str]:
     for rank, actions in enumerate(program.actions):
         done: set[tuple[int, str, int]] = set()
         for index, a in enumerate(actions):
-            here = _where(program, rank, index, a)
+            here = _where(rank, index, a)
             s, mb = a.stage, a.microbatch
             if not 0 <= s < n or not 0 <= mb < m:
                 problems.append(f"{here}: stage must be in 0..{n - 1}, micro-batch in 0..{m - 1}")
@@ -141,8 +141,8 @@ def _matching(program: Program) -> list[str]:
     return problems
 
 
-def _recv_source(program: Program, a: Action) -> tuple[int, Action]:
-    """The rank and send action that a receive waits for."""
+def sender_of(program: Program, a: Action) -> tuple[int, Action]:
+    """The rank and the send action that receive ``a`` waits for."""
     if a.kind == RECV_F:
         return program.stage_to_rank[a.stage - 1], Action(a.stage - 1, SEND_F, a.microbatch)
     return program.stage_to_rank[a.stage + 1], Action(a.stage + 1, SEND_B, a.microbatch)
@@ -160,7 +160,7 @@ def execution_order(program: Program) -> list[tuple[int, int]]:
         for rank, actions in enumerate(program.actions):
             while pos[rank] < len(actions):
                 a = actions[pos[rank]]
-                if a.kind in (RECV_F, RECV_B) and _recv_source(program, a) not in sent:
+                if a.kind in (RECV_F, RECV_B) and sender_of(program, a) not in sent:
                     break
                 if a.kind in (SEND_F, SEND_B):
                     sent.add((rank, a))
@@ -178,7 +178,7 @@ def _deadlock(program: Program, pos: list[int]) -> list[str]:
     for rank, actions in enumerate(program.actions):
         if pos[rank] < len(actions):
             a = actions[pos[rank]]
-            src, send = _recv_source(program, a)
+            src, send = sender_of(program, a)
             waits[rank] = src
             later = send in program.actions[src][pos[src] :]
             lines.append(

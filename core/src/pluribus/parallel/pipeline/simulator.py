@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .checker import _recv_source, check
+from .checker import check, sender_of
 from .schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, Program, W
 
 #: Unit costs: forward, input gradient and weight gradient one each, full backward their sum.
@@ -87,7 +87,7 @@ def simulate(program: Program, costs: Costs | None = None, comm: float = 0.0) ->
         a = program.actions[rank][index]
         start = clock[rank]
         if a.kind in (RECV_F, RECV_B):
-            start = max(start, sent_at[_recv_source(program, a)] + comm)
+            start = max(start, sent_at[sender_of(program, a)] + comm)
         duration = float(cost(rank, a))
         if a.is_compute:
             busy[rank] += duration

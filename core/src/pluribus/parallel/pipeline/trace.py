@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import distributed as dist
-from .checker import _recv_source
+from .checker import sender_of
 from .schedules import COMPUTE, RECV_B, RECV_F, Action, B, F, I, Program, W
 from .simulator import Event, Simulation
 
@@ -86,7 +86,7 @@ def message_latency(events: Iterable[Event], program: Program) -> float:
     transits = []
     for e in events:
         if e.action.kind in (RECV_F, RECV_B):
-            send = by_action.get(_recv_source(program, e.action))
+            send = by_action.get(sender_of(program, e.action))
             if send is not None and e.start <= send.end:
                 transits.append(e.end - send.end)
     return statistics.median(transits) if transits else 0.0
