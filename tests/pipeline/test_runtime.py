@@ -253,3 +253,12 @@ def test_a_gradient_shaped_unlike_the_output_names_both_stages_on_every_rank():
             "stage 1 (rank 1) sent a gradient of shape (1, 6) for micro-batch 0, but the output "
             "of stage 0 (rank 0) had shape (2, 6)" in text
         )
+
+
+@pytest.mark.timeout(240)
+def test_a_stage_raising_on_gloo_processes_reaches_every_rank(gloo_pool):
+    with pytest.raises(RanksFailed) as info:
+        gloo_pool(4).run(_failing_stage, "ZeroBubble", 2, "forward")
+    assert sorted(e.rank for e in info.value.errors) == [0, 1, 2, 3]
+    for e in info.value.errors:
+        assert "stage 2 (rank 2) raised RuntimeError during 2F1: boom in forward" in e.message
