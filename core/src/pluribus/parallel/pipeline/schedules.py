@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (torch's letter for the input-gradient backward)
@@ -261,60 +261,78 @@ def _interleaved(p: int, v: int, m: int) -> Program:
     return with_communication(Program("Interleaved1F1B", m, placement, lists))
 
 
-def zero_bubble(num_ranks: int, num_microbatches: int) -> Program:
+def zero_bubble(
+    num_ranks: int, num_microbatches: int, costs: Mapping[str, float] | None = None
+) -> Program:
     """ZB-H1 (Qi et al., 2023): backward split into ``I`` (input gradient, on the critical path)
     and ``W`` (weight gradient, free to move); the ``W``s fill what would be the bubble.
 
     As in 1F1B, rank ``r`` holds at most ``p - r`` micro-batches between forward and ``I``
     (the full activations), and at most ``2p - r - 1`` between forward and ``W`` (a micro-batch
     waiting for its ``W`` keeps only what the weight gradients need). The order comes from
-    running that policy on unit costs: an ``I`` when its gradient is there, else a forward when
-    its input is there and the limits allow, else the oldest pending ``W``.
+    running that policy on a clock: an ``I`` when its gradient is there, else a forward when its
+    input is there and the limits allow, else the oldest pending ``W``. ``costs`` (``F``, ``I``,
+    ``W``; unit costs by default) are the durations it assumes: pass measured ones to order the
+    ``W``s for your model.
     """
     _check_sizes("ZeroBubble", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
+    cost = {F: 1.0, I: 1.0, W: 1.0, **(costs or {})}
+    if any(cost[k] <= 0 for k in (F, I, W)):
+        raise ValueError(f"ZeroBubble: costs must be positive, got {dict(costs or {})}")
+    never = float("inf")
     lists: list[list[Action]] = [[] for _ in range(p)]
-    f_done = [[-1] * m for _ in range(p)]  # time each forward ends (-1: not yet)
-    i_done = [[-1] * m for _ in range(p)]
+    f_end = [[never] * m for _ in range(p)]  # when each forward ends
+    i_end = [[never] * m for _ in range(p)]
     next_f, next_i = [0] * p, [0] * p
     pending_w: list[list[int]] = [[] for _ in range(p)]
     before_i = [0] * p  # forward done, input gradient not yet
     before_w = [0] * p  # forward done, weight gradient not yet
-    remaining = 3 * p * m
-    t = 0
-    while remaining:
-        if t > 6 * p * m + 6 * p:  # the policy always progresses; this guards against a bug
-            raise RuntimeError(f"ZeroBubble: no order found for p={p}, m={m}")
-        for r in range(p):
-            mb_i, mb_f = next_i[r], next_f[r]
-            grad_ready = mb_i < m and (
-                (r == p - 1 and 0 <= f_done[r][mb_i] <= t)
-                or (r < p - 1 and 0 <= i_done[r + 1][mb_i] <= t)
-            )
-            if grad_ready:
-                lists[r].append(Action(r, I, mb_i))
-                i_done[r][mb_i] = t + 1
-                next_i[r] += 1
-                before_i[r] -= 1
-                pending_w[r].append(mb_i)
-            elif (
-                mb_f < m
-                and before_i[r] < p - r
-                and before_w[r] < 2 * p - r - 1
-                and (r == 0 or 0 <= f_done[r - 1][mb_f] <= t)
-            ):
-                lists[r].append(Action(r, F, mb_f))
-                f_done[r][mb_f] = t + 1
-                next_f[r] += 1
-                before_i[r] += 1
-                before_w[r] += 1
-            elif pending_w[r]:
-                lists[r].append(Action(r, W, pending_w[r].pop(0)))
-                before_w[r] -= 1
-            else:
-                continue
-            remaining -= 1
-        t += 1
+    clock = [0.0] * p
+    done = [False] * p
+
+    def act(r: int, t: float) -> bool:
+        """Run rank r's next action at time t if one is ready."""
+        mb_i, mb_f = next_i[r], next_f[r]
+        if mb_i < m and (f_end[r][mb_i] if r == p - 1 else i_end[r + 1][mb_i]) <= t:
+            kind, mb = I, mb_i
+            i_end[r][mb] = t + cost[I]
+            next_i[r] += 1
+            before_i[r] -= 1
+            pending_w[r].append(mb)
+        elif (
+            mb_f < m
+            and before_i[r] < p - r
+            and before_w[r] < 2 * p - r - 1
+            and (r == 0 or f_end[r - 1][mb_f] <= t)
+        ):
+            kind, mb = F, mb_f
+            f_end[r][mb] = t + cost[F]
+            next_f[r] += 1
+            before_i[r] += 1
+            before_w[r] += 1
+        elif pending_w[r]:
+            kind, mb = W, pending_w[r].pop(0)
+            before_w[r] -= 1
+        else:
+            return False
+        lists[r].append(Action(r, kind, mb))
+        clock[r] = t + cost[kind]
+        done[r] = len(lists[r]) == 3 * m
+        return True
+
+    while not all(done):
+        t = min(clock[r] for r in range(p) if not done[r])
+        moved = [act(r, t) for r in range(p) if not done[r] and clock[r] == t]
+        if not any(moved):  # the ranks at t wait: move them to the next time anything ends
+            later = [c for c in clock if c > t] + [
+                e for rows in (f_end, i_end) for row in rows for e in row if t < e < never
+            ]
+            if not later:  # the policy always progresses; this guards against a bug
+                raise RuntimeError(f"ZeroBubble: no order found for p={p}, m={m}")
+            for r in range(p):
+                if not done[r] and clock[r] == t:
+                    clock[r] = min(later)
     return with_communication(Program("ZeroBubble", m, tuple(range(p)), lists))
 
 
@@ -327,12 +345,20 @@ SCHEDULES = {
 }
 
 
-def build(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Program:
-    """The built-in schedule ``name`` as a program."""
+def build(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int = 1,
+    costs: Mapping[str, float] | None = None,
+) -> Program:
+    """The built-in schedule ``name`` as a program (``costs``: ZeroBubble's, see there)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
     if name == "Interleaved1F1B":
         return interleaved_1f1b(num_ranks, stages_per_rank, num_microbatches)
     if stages_per_rank != 1:
         raise ValueError(f"{name} runs one stage per rank; use Interleaved1F1B for more")
+    if name == "ZeroBubble":
+        return zero_bubble(num_ranks, num_microbatches, costs)
     return SCHEDULES[name](num_ranks, num_microbatches)
