@@ -168,3 +168,19 @@ def test_bad_sizes_say_what_is_valid():
         build("GPipe", 2, 0)
     with pytest.raises(ValueError, match="use one of GPipe, 1F1B, Interleaved1F1B, ZeroBubble"):
         build("Looping", 2, 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    p=st.integers(1, 6),
+    m=st.integers(1, 16),
+    f=st.floats(0.1, 5),
+    i=st.floats(0.1, 5),
+    w=st.floats(0.1, 5),
+)
+def test_zero_bubble_ordered_for_any_costs_is_valid_and_keeps_the_memory_limits(p, m, f, i, w):
+    costs = {"F": f, "I": i, "W": w}
+    program = build("ZeroBubble", p, m, costs=costs)
+    sim = simulate(program, costs)  # runs the checker
+    assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
+    assert all(k <= 2 * p - r - 1 for r, k in enumerate(sim.peak_waiting_w))
