@@ -1,0 +1,199 @@
+"""Pipeline schedules on the GPT over gloo processes: measured bubble against the simulator's
+prediction from the measured per-action times, and the activation ledger of GPipe and 1F1B.
+
+    python benchmarks/pipeline_bubble.py --ranks 2 4 --out benchmarks/results/pipeline-<stamp>
+
+For each schedule: warm-up steps, then ``--steps`` measured steps; each step's events are
+gathered from every rank, its bubble measured (the part of the step in which a rank computes
+nothing, averaged over ranks) and simulated with the mean time of each (stage, action kind) of
+that same step. Writes ``results.json``, a Markdown table and one Perfetto file per schedule
+with the run and the prediction side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _config(args):
+    from pluribus import nn
+
+    return nn.GPTConfig(
+        vocab_size=128,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=4,
+        n_embd=args.embd,
+        tie_weights=False,
+    )
+
+
+def run_schedule(name: str, m: int, steps: int, warmup: int, args_dict: dict):
+    """On every rank: the schedule's step events, and this rank's activation ledger."""
+    import pluribus as dist
+    from pluribus import nn
+    from pluribus.parallel import pipeline as pp
+
+    args = argparse.Namespace(**args_dict)
+    p, rank = dist.get_world_size(), dist.get_rank()
+    v = 2 if name == "Interleaved1F1B" else 1
+    rng = np.random.default_rng(0)
+    if args.model == "gpt":
+        model = nn.GPT(_config(args), rng=0)
+        parts = pp.split_gpt(model, p * v)
+        loss_fn = nn.CrossEntropyLoss()
+        shape = (args.microbatch * m, args.seq)
+        idx, tgt = rng.integers(0, 128, shape), rng.integers(0, 128, shape)
+    else:  # Linear layers only: forward, input gradient and weight gradient cost one matmul each
+        c = args.embd
+        layers = [nn.Sequential(nn.Linear(c, c, rng=rng), nn.ReLU()) for _ in range(args.layers)]
+        model = nn.Sequential(*layers)
+        parts = pp.split_sequential(model, p * v)
+        loss_fn = nn.MSELoss()
+        idx = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
+        tgt = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
+    stages = [pp.PipelineStage(parts[s], s, p * v) for s in range(p * v) if s % p == rank]
+    schedule = pp.SCHEDULE_CLASSES[name](stages, m, loss_fn)
+    out = []
+    for i in range(warmup + steps):
+        for s in stages:
+            s.reset_peak()
+        dist.barrier()
+        start = time.perf_counter()
+        schedule.step(idx, target=tgt)
+        wall = time.perf_counter() - start
+        model.zero_grad()
+        events = pp.gather_events(schedule)
+        if i >= warmup:
+            out.append(
+                {
+                    "events": [(e.rank, str(e.action), e.start, e.end) for e in events],
+                    "wall": wall,
+                    "peak_bytes": sum(s.peak_activation_bytes for s in stages),
+                    "peak_microbatches": max(s.peak_microbatches for s in stages),
+                }
+            )
+    return {"program": str(schedule.program), "steps": out}
+
+
+def analyse(name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | None):
+    from pluribus.parallel import pipeline as pp
+    from pluribus.parallel.pipeline.simulator import Event
+
+    v = 2 if name == "Interleaved1F1B" else 1
+    program = pp.build(name, p, m, v)
+    rows = []
+    for k, step in enumerate(result_per_rank[0]["steps"]):
+        events = [Event(r, pp.Action.parse(a), s, e) for r, a, s, e in step["events"]]
+        run = pp.measured(events)
+        latency = pp.message_latency(events, program)
+        predicted = pp.simulate(program, pp.action_costs(events, per_action=True), latency)
+        from_means = pp.simulate(program, pp.action_costs(events), latency)
+        cost = pp.action_costs(events)
+        kinds = {(e.action.stage, e.action.kind): e.action for e in events if e.action.is_compute}
+        rows.append(
+            {
+                "costs_ms": {f"{s}{k}": round(cost(0, a) * 1e3, 2) for (s, k), a in kinds.items()},
+                "step_s": run.step_time,
+                "message_latency_s": latency,
+                "measured_bubble": run.bubble,
+                "predicted_bubble": predicted.bubble,
+                "predicted_step_s": predicted.step_time,
+                "predicted_bubble_mean_costs": from_means.bubble,
+                "peak_bytes": [r["steps"][k]["peak_bytes"] for r in result_per_rank],
+                "peak_microbatches": [r["steps"][k]["peak_microbatches"] for r in result_per_rank],
+            }
+        )
+        if trace_dir is not None and k == len(result_per_rank[0]["steps"]) - 1:
+            pp.write_trace(
+                trace_dir / f"pipeline-{name}-p{p}-m{m}.json",
+                {"measured": events, "predicted": predicted.events},
+            )
+    best = min(rows, key=lambda r: r["step_s"])  # the least disturbed step on a shared machine
+    return {
+        "schedule": name,
+        "p": p,
+        "v": v,
+        "m": m,
+        "steps": rows,
+        "median_measured_bubble": statistics.median(r["measured_bubble"] for r in rows),
+        "median_predicted_bubble": statistics.median(r["predicted_bubble"] for r in rows),
+        # per step |measured - predicted| / predicted, then the median over steps
+        "median_relative_difference": statistics.median(
+            abs(r["measured_bubble"] - r["predicted_bubble"]) / r["predicted_bubble"] for r in rows
+        ),
+        "median_predicted_bubble_mean_costs": statistics.median(
+            r["predicted_bubble_mean_costs"] for r in rows
+        ),
+        "best_step": best,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--schedules", nargs="+", default=["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble"]
+    )
+    parser.add_argument("--m", type=int, default=0, help="micro-batches (default 2p)")
+    parser.add_argument("--memory-m", type=int, nargs="*", default=[4, 8, 16])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--embd", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--microbatch", type=int, default=4, help="rows per micro-batch")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    from pluribus.testing import RankPool
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "bubble": [], "memory": []}
+    env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    for p in args.ranks:
+        with RankPool(p, "gloo", mode="processes", timeout=600, env=env) as pool:
+            m = args.m or 2 * p
+            for name in args.schedules:
+                result = pool.run(run_schedule, name, m, args.steps, args.warmup, vars(args))
+                row = analyse(name, p, m, result, args.out)
+                report["bubble"].append(row)
+                print(
+                    f"p={p} m={m} {name:16s} step {row['best_step']['step_s'] * 1e3:7.1f} ms  "
+                    f"bubble measured {row['median_measured_bubble']:.3f} predicted "
+                    f"{row['median_predicted_bubble']:.3f} (from mean costs "
+                    f"{row['median_predicted_bubble_mean_costs']:.3f})  costs (ms) "
+                    f"{row['best_step']['costs_ms']}",
+                    flush=True,
+                )
+            for name in ("GPipe", "1F1B", "ZeroBubble"):
+                for mm in args.memory_m:
+                    result = pool.run(run_schedule, name, mm, 1, 1, vars(args))
+                    peaks = [r["steps"][0]["peak_bytes"] for r in result]
+                    counts = [r["steps"][0]["peak_microbatches"] for r in result]
+                    report["memory"].append(
+                        {"schedule": name, "p": p, "m": mm, "peak_bytes": peaks, "peak_mb": counts}
+                    )
+                    print(
+                        f"p={p} m={mm:2d} {name:10s} peak activations per rank "
+                        f"{[round(b / 2**20, 2) for b in peaks]} MiB, micro-batches {counts}",
+                        flush=True,
+                    )
+    if args.out:
+        (args.out / "results.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

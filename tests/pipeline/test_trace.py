@@ -1,0 +1,54 @@
+"""A real step's timeline: its measured in-flight counts equal the simulator's, the activation
+ledger grows with m under GPipe and not under 1F1B, and the Perfetto file holds both timelines."""
+
+import json
+
+import pytest
+from pipeline_cases import traced_step_on_rank
+from pluribus.parallel import pipeline as pp
+from pluribus.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_measured_timeline_matches_the_program_and_writes_a_perfetto_file(tmp_path):
+    p, m = 4, 6
+    results = run_ranks(traced_step_on_rank, p, args=("1F1B", m), timeout=60)
+    events, _, _, program = results[0]
+    assert all(r[0] == events for r in results)  # gathered on every rank
+    run = pp.measured(events)
+    predicted = pp.simulate(program, pp.action_costs(events))
+    assert run.peak_in_flight == predicted.peak_in_flight == [min(p - r, m) for r in range(p)]
+    assert all(0 < b <= run.step_time for b in run.busy)
+    assert 0 < run.bubble < 1 and 0 < predicted.bubble < 1
+    # with each action's own time, the simulator can only be early: a real receive waits at
+    # least as long as the model's (no latency), and everything else takes what it took
+    exact = pp.simulate(program, pp.action_costs(events, per_action=True))
+    assert exact.step_time <= run.step_time * (1 + 1e-9)
+    assert exact.busy == pytest.approx(run.busy)
+    assert 0 <= pp.message_latency(events, program) < run.step_time
+    # each rank ran exactly its program, in order
+    for rank in range(p):
+        ran = [e.action for e in sorted(events, key=lambda e: e.start) if e.rank == rank]
+        assert ran == program.actions[rank]
+    path = pp.write_trace(
+        tmp_path / "trace.json", {"measured": events, "predicted": predicted.events}
+    )
+    trace = json.loads(path.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert names == {f"{w} rank {r}" for w in ("measured", "predicted") for r in range(p)}
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert len(spans) == 2 * sum(len(a) for a in program.actions)
+    assert {e["name"] for e in spans} >= {"0F0", "3B5", "1SEND_B0", "2RECV_F5"}
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_activation_ledger_1f1b_stays_at_p_while_gpipe_grows_with_m(m):
+    p = 2
+    gpipe = run_ranks(traced_step_on_rank, p, args=("GPipe", m), timeout=60)
+    one_f = run_ranks(traced_step_on_rank, p, args=("1F1B", m), timeout=60)
+    assert [r[1] for r in gpipe] == [m, m]
+    assert [r[1] for r in one_f] == [min(p, m), 1]
+    # bytes: every micro-batch holds the same activations
+    for rank in range(p):
+        assert gpipe[rank][2] == m * one_f[rank][2] / min(p - rank, m)
