@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ... import distributed as dist
+from ...errors import PluribusError
 from ...nn.module import array_namespace
 from .checker import check
 from .schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, Program, W, build
@@ -364,10 +365,19 @@ class PipelineSchedule:
     def _agree(self, failure: str | None, error: BaseException | None) -> None:
         """Every rank learns whether any failed, even one whose peers owed it nothing more."""
         flag = np.array([0 if failure is None else 1], dtype=np.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            texts = dist.all_gather_object(failure, group=self.group) if flag[0] else []
+        except PluribusError as exc:
+            # A failing rank's group may already be aborted (its peers report the root cause
+            # through the group): this rank's own failure stays the error it raises.
+            if failure is not None:
+                raise PipelineError(failure) from (
+                    None if isinstance(error, _PeerFailed) else error
+                )
+            raise PipelineError(f"pipeline step failed on another rank: {exc}") from exc
         if not flag[0]:
             return
-        texts = dist.all_gather_object(failure, group=self.group)
         if failure is None:
             first = next(t for t in texts if t is not None)
             raise PipelineError(
