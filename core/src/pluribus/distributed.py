@@ -7,7 +7,7 @@ group-local ones. Every argument is checked here, on the calling rank, before an
 from __future__ import annotations
 
 import os
-import pickle
+import pickle as _pickle
 import threading
 from datetime import timedelta
 from typing import Any
@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from . import plugins
+from . import codec, plugins
 from .arrays import check_array, check_op, device_of
 from .backend import USER_TAG_LIMIT
 from .debug import flight_recorder
@@ -719,24 +719,71 @@ def irecv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0)
 # -- small Python objects -------------------------------------------------------------------------
 
 
-def broadcast_object(obj: Any = None, src: int = 0, group: ProcessGroup | None = None) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (pickled; for small objects, not arrays)."""
+def broadcast_object(
+    obj: Any = None, src: int = 0, group: ProcessGroup | None = None, *, pickle: bool = False
+) -> Any:
+    """Rank ``src``'s ``obj`` on every rank, for small values: None, bool, int, float, str,
+    bytes, list, tuple, dict and numpy arrays (:mod:`pluribus.codec`: data, never code).
+    ``pickle=True``, on every rank, carries any picklable object instead; only between ranks
+    that trust each other, since unpickling runs what the sender chose."""
     g = _group(group)
     is_src = g.global_rank == src
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_src else None
-    length = np.array([payload.size if is_src else 0], dtype=np.int64)
+    payload, refusal = _object_bytes(obj, g, pickle) if is_src else (None, None)
+    length = np.array([_announced(payload) if is_src else 0], dtype=np.int64)
     broadcast(length, src, g)
-    buf = payload.copy() if is_src else np.empty(int(length[0]), dtype=np.uint8)
+    _raise_refusals(g, [int(length[0])], [src], refusal)
+    buf = payload if is_src else np.empty(int(length[0]), dtype=np.uint8)
     broadcast(buf, src, g)
-    return obj if is_src else pickle.loads(buf.tobytes())
+    return obj if is_src else _object_value(buf, g, pickle, f"rank {src}")
 
 
-def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank (pickled; for small objects)."""
+def all_gather_object(
+    obj: Any, group: ProcessGroup | None = None, *, pickle: bool = False
+) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank; what it carries and ``pickle`` as
+    for :func:`broadcast_object`."""
     g = _group(group)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy()
+    payload, refusal = _object_bytes(obj, g, pickle)
     lengths = np.zeros(g.size, dtype=np.int64)
-    all_gather(lengths, np.array([payload.size], dtype=np.int64), g)
+    all_gather(lengths, np.array([_announced(payload)], dtype=np.int64), g)
+    _raise_refusals(g, lengths.tolist(), g.ranks, refusal)
     outputs = [np.empty(int(n), dtype=np.uint8) for n in lengths]
     all_gather(outputs, payload, g)
-    return [pickle.loads(o.tobytes()) for o in outputs]
+    return [_object_value(o, g, pickle, f"rank {g.ranks[r]}") for r, o in enumerate(outputs)]
+
+
+#: The length a rank announces for an object it could not encode (then every rank raises).
+_REFUSED = -1
+
+
+def _object_bytes(obj: Any, g: ProcessGroup, use_pickle: bool):
+    """``(obj encoded for the wire as a uint8 array, None)``, or ``(None, the TypeError)``
+    when it cannot be encoded."""
+    try:
+        data = _pickle.dumps(obj) if use_pickle else codec.encode(obj, g.global_rank)
+    except (TypeError, AttributeError, _pickle.PicklingError) as exc:  # what pickle raises too
+        return None, exc
+    return np.frombuffer(data, dtype=np.uint8).copy(), None
+
+
+def _announced(payload: np.ndarray | None) -> int:
+    return _REFUSED if payload is None else payload.size
+
+
+def _raise_refusals(g: ProcessGroup, lengths: list[int], ranks: list[int], mine) -> None:
+    """After the lengths went round: this rank's own encoding error, or one naming the rank
+    whose object could not be sent (nothing but the lengths was sent)."""
+    if mine is not None:
+        raise mine
+    refused = [r for r, n in zip(ranks, lengths, strict=True) if n == _REFUSED]
+    if refused:
+        raise TypeError(
+            f"rank {g.global_rank}: rank(s) {refused} could not encode their object for an "
+            "object collective (their own error says why); nothing else was sent"
+        )
+
+
+def _object_value(buf: np.ndarray, g: ProcessGroup, use_pickle: bool, sender: str) -> Any:
+    if use_pickle:
+        return _pickle.loads(buf.tobytes())  # pickle-by-request
+    return codec.decode(buf.tobytes(), g.global_rank, sender)

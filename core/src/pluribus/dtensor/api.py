@@ -265,7 +265,9 @@ def from_local(
 
 
 def _checked_layout(local, mesh: DeviceMesh, placements, shape) -> Layout:
-    info = [(dist.get_rank(), mesh.coordinate, tuple(local.shape), str(local.dtype), placements)]
+    # placements travel as their repr: the object collectives carry plain data only
+    names = tuple(repr(p) for p in placements)
+    info = [(dist.get_rank(), mesh.coordinate, tuple(local.shape), str(local.dtype), names)]
     for m in range(mesh.ndim):
         gathered = dist.all_gather_object(info, group=mesh.get_group(m))
         info = [item for part in gathered for item in part]
@@ -277,7 +279,10 @@ def _checked_layout(local, mesh: DeviceMesh, placements, shape) -> Layout:
     first = info[0]
     for r, _, s, dt, pl in info:
         if pl != first[4]:
-            fail(f"rank {first[0]} passes placements {list(first[4])}, rank {r} {list(pl)}")
+            fail(
+                f"rank {first[0]} passes placements [{', '.join(first[4])}], rank {r} "
+                f"[{', '.join(pl)}]"
+            )
         if dt != first[3]:
             fail(f"rank {first[0]} has dtype {first[3]}, rank {r} {dt}")
         if len(s) != len(first[2]):

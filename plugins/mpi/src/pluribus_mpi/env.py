@@ -100,8 +100,8 @@ def setup_env(timeout: float | None = None) -> tuple[int, int]:
         shared = (host, port, token)
     else:
         shared = None
-    # Pickled, once, at start-up: the data path never pickles.
-    host, port, token = comm.bcast(shared, root=0)
+    # As bytes, not mpi4py's pickled bcast: nothing here unpickles what another process sent.
+    host, port, token = _bcast_strings(comm, shared)
     env.setdefault("RANK", str(rank))
     env.setdefault("WORLD_SIZE", str(size))
     env.setdefault("LOCAL_RANK", str(local_rank))
@@ -159,3 +159,14 @@ def mpi_rendezvous(
         timeout=timeout,
     )
     return store, mpi_rank, mpi_size
+
+
+def _bcast_strings(comm: Any, strings: tuple[str, ...] | None) -> list[str]:
+    """Rank 0's ``strings`` (no newlines in them) on every rank, through MPI buffers."""
+    data = bytearray("\n".join(strings).encode()) if strings is not None else bytearray()
+    length = bytearray(len(data).to_bytes(8, "little"))
+    comm.Bcast(length, root=0)
+    if strings is None:
+        data = bytearray(int.from_bytes(length, "little"))
+    comm.Bcast(data, root=0)
+    return data.decode().split("\n")
