@@ -29,6 +29,7 @@ from .distributed import (
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
+    rendezvous,
     scatter,
     send,
 )
@@ -132,6 +133,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "rendezvous",
     "scatter",
     "send",
 ]

@@ -9,35 +9,67 @@ TypeError on the sending rank before anything is sent; pickle is there for it wh
 name (``pickle=True``), between ranks that trust each other.
 
 Layout: ``MAGIC``, an 8-byte length, a JSON description of the value, then the raw bytes of its
-arrays and bytes objects, which the description points into (offset, length).
+arrays and bytes objects, which the description points into (offset, length), each starting at
+a multiple of ``ALIGN``. ``encode_parts`` / ``decode_parts`` give the description and the raw
+pieces separately, so that a transport can send arrays without copying them (``pluribus.rpc``),
+and take an extension for values the caller adds (``{"ext": ...}``, the RPC's remote
+references).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .arrays import bfloat16_dtype
+from .arrays import bfloat16_dtype, device_of
 
 MAGIC = b"PLB1"
 _LENGTH = struct.Struct("<Q")
-_TAGS = ("tuple", "dict", "bytes", "array", "scalar")
+_TAGS = ("tuple", "dict", "bytes", "array", "scalar", "ext")
+#: Raw pieces start at multiples of this, so arrays decoded in place are aligned.
+ALIGN = 64
+_PADDING = bytes(ALIGN)
+#: ``extension(value)``: the JSON body standing for a value of a type the codec does not know
+#: (the RPC's remote references), or None to refuse it.
+Extension = Callable[[Any], Any]
 
 
 def encode(obj: Any, rank: int) -> bytes:
     """``obj`` as bytes; a TypeError naming the rank and the offending type for anything that
     is not plain data."""
-    blobs: list[bytes] = []
+    description, pieces = encode_parts(
+        obj,
+        f"rank {rank}",
+        hint="the object collectives do not send by default (they carry None, bool, int, float, "
+        "str, bytes, list, tuple, dict and numpy arrays, never code); convert it to those, or "
+        "pass pickle=True if every rank trusts every other",
+    )
+    return b"".join([MAGIC, _LENGTH.pack(len(description)), description, *pieces])
+
+
+def encode_parts(
+    obj: Any, who: str, hint: str, extension: Extension | None = None
+) -> tuple[bytes, list[memoryview]]:
+    """The JSON description of ``obj`` and the raw pieces it points into, in order: arrays as
+    views of their own memory (no copy for a contiguous host array), each piece starting at a
+    multiple of ``ALIGN``. A sender writes them out as they are (``socket.sendmsg``). ``who`` starts the
+    TypeError for anything that is not plain data, ``hint`` ends it."""
+    pieces: list[memoryview] = []
     offset = [0]
 
-    def blob(data: bytes) -> list[int]:
-        start = offset[0]
-        blobs.append(data)
-        offset[0] += len(data)
-        return [start, len(data)]
+    def blob(data) -> list[int]:
+        view = memoryview(data).cast("B")
+        pad = -offset[0] % ALIGN
+        if pad:
+            pieces.append(memoryview(_PADDING)[:pad])
+        start = offset[0] + pad
+        pieces.append(view)
+        offset[0] = start + view.nbytes
+        return [start, view.nbytes]
 
     def walk(value: Any, path: str) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -53,33 +85,51 @@ def encode(obj: Any, rank: int) -> bytes:
                 ]
             }
         if isinstance(value, (bytes, bytearray, memoryview)):
-            return {"bytes": blob(bytes(value))}
-        if isinstance(value, (np.ndarray, np.generic)):
-            array = np.asarray(value)
-            if array.dtype.hasobject:
-                raise TypeError(
-                    f"rank {rank}: {path} is a numpy array of Python objects, which the safe "
-                    "encoding cannot carry; convert it, or pass pickle=True between trusted ranks"
-                )
-            data = blob(np.ascontiguousarray(array).tobytes())
-            tag = "scalar" if isinstance(value, np.generic) else "array"
-            return {tag: [_dtype_name(array.dtype), list(array.shape), *data]}
+            return {"bytes": blob(value)}
+        if isinstance(value, (np.ndarray, np.generic)) or device_of(value) == "cuda":
+            return _array_node(value, path, who, blob)
+        if extension is not None:
+            body = extension(value)
+            if body is not None:
+                return {"ext": body}
         raise TypeError(
-            f"rank {rank}: {path} is a {type(value).__module__}.{type(value).__qualname__}, which "
-            "the object collectives do not send by default (they carry None, bool, int, float, "
-            "str, bytes, list, tuple, dict and numpy arrays, never code); convert it to those, "
-            "or pass pickle=True if every rank trusts every other"
+            f"{who}: {path} is a {type(value).__module__}.{type(value).__qualname__}, which {hint}"
         )
 
     description = json.dumps(walk(obj, "the object")).encode()
-    return b"".join([MAGIC, _LENGTH.pack(len(description)), description, *blobs])
+    return description, pieces
+
+
+def _array_node(value: Any, path: str, who: str, blob) -> dict:
+    on_gpu = device_of(value) == "cuda"
+    if on_gpu:  # TCP carries host memory: one copy to the host, and back to the GPU at the end
+        import cupy
+
+        array = cupy.asnumpy(value)
+    else:
+        array = np.asarray(value)
+    if array.dtype.hasobject:
+        raise TypeError(
+            f"{who}: {path} is a numpy array of Python objects, which the safe encoding cannot "
+            "carry; convert it, or pass pickle=True between trusted ranks"
+        )
+    data = blob(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    tag = "scalar" if isinstance(value, np.generic) else "array"
+    return {
+        tag: [_dtype_name(array.dtype), list(array.shape), *data, *(["cuda"] if on_gpu else [])]
+    }
 
 
 def decode(data: bytes, rank: int, sender: str) -> Any:
     """The value ``encode`` made. Malformed bytes are a ValueError naming the rank and the
     sender; no input can make this run code."""
     try:
-        return _decode(memoryview(data))
+        view = memoryview(data)
+        if bytes(view[: len(MAGIC)]) != MAGIC:
+            raise ValueError("wrong magic")
+        (length,) = _LENGTH.unpack_from(view, len(MAGIC))
+        start = len(MAGIC) + _LENGTH.size
+        return decode_parts(view[start : start + length], view[start + length :])
     except (ValueError, TypeError, KeyError, IndexError, struct.error) as exc:
         hint = ""
         if data[:1] == b"\x80":
@@ -89,15 +139,22 @@ def decode(data: bytes, rank: int, sender: str) -> Any:
         ) from None
 
 
-def _decode(data: memoryview) -> Any:
-    if bytes(data[: len(MAGIC)]) != MAGIC:
-        raise ValueError("wrong magic")
-    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
-    start = len(MAGIC) + _LENGTH.size
-    description = json.loads(bytes(data[start : start + length]))
-    heap = data[start + length :]
+def decode_parts(
+    description: bytes | memoryview,
+    heap: bytes | bytearray | memoryview,
+    extension: Extension | None = None,
+    copy: bool = True,
+) -> Any:
+    """The value ``encode_parts`` described, its pieces read from ``heap``. With ``copy=False``
+    arrays are views of ``heap`` (which then must not be reused). ``extension(body)`` rebuilds
+    the values an encoding extension stood for. Malformed input raises ValueError, TypeError,
+    KeyError or IndexError; no input can make this run code."""
+    heap = memoryview(heap)
+    tree = json.loads(bytes(description))
 
     def piece(begin: int, size: int) -> memoryview:
+        if not (isinstance(begin, int) and isinstance(size, int)):
+            raise ValueError("a reference that is not a pair of integers")
         if not (0 <= begin and 0 <= size and begin + size <= len(heap)):
             raise ValueError("a reference past the end of the data")
         return heap[begin : begin + size]
@@ -116,12 +173,24 @@ def _decode(data: memoryview) -> Any:
             return {build(k): build(v) for k, v in body}
         if tag == "bytes":
             return bytes(piece(*body))
-        name, shape, begin, size = body
+        if tag == "ext":
+            if extension is None:
+                raise ValueError("an extension value where none is expected")
+            return extension(body)
+        name, shape, begin, size, *device = body
         dtype = _dtype(name)
-        array = np.frombuffer(piece(begin, size), dtype=dtype).reshape(shape).copy()
+        array = np.frombuffer(piece(begin, size), dtype=dtype).reshape(shape)
+        if device == ["cuda"]:
+            import cupy
+
+            array = cupy.asarray(array)
+        elif device:
+            raise ValueError(f"unknown device {device!r}")
+        elif copy or tag == "scalar":
+            array = array.copy()
         return array[()] if tag == "scalar" else array
 
-    return build(description)
+    return build(tree)
 
 
 def _dtype_name(dtype: np.dtype) -> str:

@@ -147,6 +147,29 @@ def _rendezvous(
     return store, rank, world_size
 
 
+def rendezvous(
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: float | timedelta | None = None,
+    backends: dict[str, str] | None = None,
+) -> tuple[Store, int, int]:
+    """The job's store, this process's rank and the world size, found the way
+    ``init_process_group`` finds them (a plugin's launcher first, e.g. mpiexec; then env://,
+    tcp:// or file://). For layers with their own transport, such as ``pluribus.rpc``."""
+    seconds = _seconds(timeout)
+    found = _hook().pluribus_rendezvous(
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=seconds,
+        backends=backends or {},
+    )
+    if found is None:
+        found = _rendezvous(init_method, rank, world_size, seconds)
+    return found
+
+
 def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
@@ -175,16 +198,7 @@ def init_process_group(
     for name in set(mapping.values()):
         resolve_backend(name)
     if store is None:
-        found = _hook().pluribus_rendezvous(
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=seconds,
-            backends=mapping,
-        )
-        if found is None:
-            found = _rendezvous(init_method, rank, world_size, seconds)
-        store, rank, world_size = found
+        store, rank, world_size = rendezvous(init_method, rank, world_size, seconds, mapping)
         owns_store = True
     else:
         if rank is None or world_size is None:

@@ -1,0 +1,136 @@
+"""The RPC's frames: the bytes an authenticated connection carries, and the checks on reading.
+
+A frame is a fixed header (magic, kind, call id, description length, heap length), the JSON
+description of its value (:mod:`pluribus.codec`) and the heap of raw pieces (array bytes) it
+points into. Arrays are written straight from their memory with ``sendmsg`` and read into one
+buffer that the decoded arrays then view, so a large array is never copied into an encoding.
+Every length is checked against its limit before a byte of the body is read.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+
+from .. import codec
+
+MAGIC = b"PRPC"
+HEADER = struct.Struct("<4sB3xQQQ")  # magic, kind, call id, description length, heap length
+
+#: Frame kinds. A request is answered by a reply with the same call id; a note is not answered.
+REQUEST, REPLY, NOTE, BYE = 1, 2, 3, 4
+KINDS = frozenset((REQUEST, REPLY, NOTE, BYE))
+
+#: The largest JSON description accepted (the structure, not the arrays).
+MAX_DESCRIPTION = 64 * 2**20
+#: The default limit of a frame's heap (the raw bytes of its arrays); ``init_rpc`` can raise it.
+DEFAULT_MAX_MESSAGE = 2**31
+#: How much of a body is read per ``recv`` call.
+_CHUNK = 4 * 2**20
+
+
+class FrameError(ValueError):
+    """Bytes that are not a well-formed frame: the connection that sent them is closed."""
+
+
+def parse_header(header: bytes, max_message: int) -> tuple[int, int, int, int]:
+    """(kind, call id, description length, heap length) of a frame header, checked."""
+    if len(header) != HEADER.size:
+        raise FrameError(f"a header of {len(header)} bytes, not {HEADER.size}")
+    magic, kind, call_id, description, heap = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}")
+    if kind not in KINDS:
+        raise FrameError(f"unknown frame kind {kind}")
+    if description > MAX_DESCRIPTION:
+        raise FrameError(f"a description of {description} bytes (the limit is {MAX_DESCRIPTION})")
+    if heap > max_message:
+        raise FrameError(
+            f"a message of {heap} bytes (the limit is {max_message}; raise init_rpc's "
+            "max_message_bytes on the receiver)"
+        )
+    return kind, call_id, description, heap
+
+
+def decode_body(description: bytes, heap: Any, extension=None) -> Any:
+    """The value of a frame; a FrameError for anything malformed (no input runs code)."""
+    try:
+        return codec.decode_parts(description, heap, extension, copy=False)
+    except FrameError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+        raise FrameError(f"a malformed message ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def encode_body(value: Any, who: str, extension=None) -> tuple[bytes, list[memoryview]]:
+    """The description and raw pieces of ``value``; a TypeError (from ``who``) for anything that
+    cannot travel."""
+    return codec.encode_parts(
+        value,
+        who,
+        hint="cannot travel by RPC (arguments and results are numpy/cupy arrays, RRefs, None, "
+        "bool, int, float, str, bytes, list, tuple and dict; never code); convert it, or keep "
+        "it on its worker and pass an RRef",
+        extension=extension,
+    )
+
+
+def send_frame(
+    sock: socket.socket,
+    kind: int,
+    call_id: int,
+    description: bytes = b"",
+    pieces: list[memoryview] | tuple = (),
+) -> None:
+    """Write one frame; the caller holds the connection's send lock."""
+    heap = sum(p.nbytes for p in pieces)
+    buffers = [memoryview(HEADER.pack(MAGIC, kind, call_id, len(description), heap))]
+    if description:
+        buffers.append(memoryview(description))
+    buffers.extend(p for p in pieces if p.nbytes)
+    if heap < 65536:  # one small write beats sendmsg's bookkeeping
+        sock.sendall(b"".join(buffers))
+        return
+    while buffers:
+        sent = sock.sendmsg(buffers[:512])
+        while buffers and sent >= buffers[0].nbytes:
+            sent -= buffers[0].nbytes
+            buffers.pop(0)
+        if sent:
+            buffers[0] = buffers[0][sent:]
+
+
+def recv_frame(sock: socket.socket, max_message: int) -> tuple[int, int, bytes, Any] | None:
+    """(kind, call id, description, heap) of the next frame; None at a clean end of stream
+    (between frames). ConnectionError when the stream ends inside a frame."""
+    header = _recv_exact(sock, HEADER.size, at_start=True)
+    if header is None:
+        return None
+    kind, call_id, description_size, heap_size = parse_header(header, max_message)
+    description = _recv_exact(sock, description_size) if description_size else b""
+    heap = np.empty(heap_size, dtype=np.uint8)
+    view = memoryview(heap)
+    got = 0
+    while got < heap_size:
+        n = sock.recv_into(view[got : got + _CHUNK])
+        if n == 0:
+            raise ConnectionError("the connection closed inside a message")
+        got += n
+    return kind, call_id, description, heap
+
+
+def _recv_exact(sock: socket.socket, size: int, at_start: bool = False) -> bytes | None:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if at_start and got == 0:
+                return None
+            raise ConnectionError("the connection closed inside a message")
+        got += n
+    return bytes(buf)
