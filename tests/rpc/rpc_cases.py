@@ -163,5 +163,6 @@ def run_threads(world: int, main, *args, timeout: float = 60.0, rpc_timeout: flo
     return [results[r] for r in range(world)]
 
 
+@rpc.expose
 def array_example():
     return np.arange(12, dtype=np.float32).reshape(3, 4)

@@ -52,12 +52,13 @@ def encode(obj: Any, rank: int) -> bytes:
 
 
 def encode_parts(
-    obj: Any, who: str, hint: str, extension: Extension | None = None
+    obj: Any, who: str, hint: str, extension: Extension | None = None, root: str = "the object"
 ) -> tuple[bytes, list[memoryview]]:
     """The JSON description of ``obj`` and the raw pieces it points into, in order: arrays as
     views of their own memory (no copy for a contiguous host array), each piece starting at a
     multiple of ``ALIGN``. A sender writes them out as they are (``socket.sendmsg``). ``who`` starts the
-    TypeError for anything that is not plain data, ``hint`` ends it."""
+    TypeError for anything that is not plain data, ``root`` names ``obj`` in it, ``hint`` ends
+    it."""
     pieces: list[memoryview] = []
     offset = [0]
 
@@ -96,7 +97,7 @@ def encode_parts(
             f"{who}: {path} is a {type(value).__module__}.{type(value).__qualname__}, which {hint}"
         )
 
-    description = json.dumps(walk(obj, "the object")).encode()
+    description = json.dumps(walk(obj, root)).encode()
     return description, pieces
 
 

@@ -173,7 +173,7 @@ class _ServerConnection:
     def reply(self, call_id: int, value: Any) -> None:
         try:
             body = self.agent.encode(
-                {"ok": value}, self.peer, request=False, who=f"{self.agent.who}: the result"
+                {"ok": value}, self.peer, request=False, who=self.agent.who, root="the reply"
             )
         except Exception as exc:
             self.reply_error(call_id, exc)
@@ -518,7 +518,7 @@ class Agent:
 
     # -- encoding, with RRefs ------------------------------------------------------------------
 
-    def encode(self, value: Any, dest: int, request: bool, who: str):
+    def encode(self, value: Any, dest: int, request: bool, who: str, root: str = "the call"):
         """The frame body of ``value`` for worker ``dest``. An RRef in it gets a count for the
         handle the receiver will make (see :mod:`pluribus.rpc.rref`)."""
         counted: list[tuple[int, str]] = []
@@ -535,7 +535,7 @@ class Agent:
             return ["rref", item._owner, item.id]
 
         try:
-            description, pieces = wire.encode_body(value, who, rref_body)
+            description, pieces = wire.encode_body(value, who, rref_body, root)
         except BaseException:
             for owner, rid in counted:
                 self.release(owner, rid)

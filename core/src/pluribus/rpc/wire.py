@@ -65,7 +65,9 @@ def decode_body(description: bytes, heap: Any, extension=None) -> Any:
         raise FrameError(f"a malformed message ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
-def encode_body(value: Any, who: str, extension=None) -> tuple[bytes, list[memoryview]]:
+def encode_body(
+    value: Any, who: str, extension=None, root: str = "the message"
+) -> tuple[bytes, list[memoryview]]:
     """The description and raw pieces of ``value``; a TypeError (from ``who``) for anything that
     cannot travel."""
     return codec.encode_parts(
@@ -75,6 +77,7 @@ def encode_body(value: Any, who: str, extension=None) -> tuple[bytes, list[memor
         "bool, int, float, str, bytes, list, tuple and dict; never code); convert it, or keep "
         "it on its worker and pass an RRef",
         extension=extension,
+        root=root,
     )
 
 
