@@ -11,7 +11,6 @@ import threading
 import time
 
 import numpy as np
-
 from pluribus import rpc
 from pluribus.store import HashStore
 

@@ -7,10 +7,8 @@ import time
 import numpy as np
 import pytest
 import rpc_cases as c
+from pluribus import DistTimeoutError, PeerError, PluribusError, rpc
 from rpc_cases import run_threads
-
-from pluribus import DistTimeoutError, PeerError, PluribusError
-from pluribus import rpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -288,7 +286,7 @@ def test_a_dead_worker_fails_pending_calls_at_once():
             for connection in list(agent._connections):  # vanish without a goodbye
                 connection.sock.shutdown(2)
             return None
-        future = rpc.rpc_async("w1", c.sleep, args=(5.0,), timeout=30)
+        future = rpc.rpc_async("w1", c.sleep, args=(1.5,), timeout=30)
         start = time.monotonic()
         with pytest.raises(PeerError, match="worker 'w1' \\(rank 1\\) died"):
             future.wait()

@@ -56,9 +56,9 @@ def encode_parts(
 ) -> tuple[bytes, list[memoryview]]:
     """The JSON description of ``obj`` and the raw pieces it points into, in order: arrays as
     views of their own memory (no copy for a contiguous host array), each piece starting at a
-    multiple of ``ALIGN``. A sender writes them out as they are (``socket.sendmsg``). ``who`` starts the
-    TypeError for anything that is not plain data, ``root`` names ``obj`` in it, ``hint`` ends
-    it."""
+    multiple of ``ALIGN``. A sender writes them out as they are (``socket.sendmsg``). ``who``
+    starts the TypeError for anything that is not plain data, ``root`` names ``obj`` in it,
+    ``hint`` ends it."""
     pieces: list[memoryview] = []
     offset = [0]
 

@@ -1,0 +1,186 @@
+"""The RPC API between real processes: rendezvous through a TCPStore, every call across process
+boundaries, an RRef passed around three workers, a SIGKILLed worker, and a job started by
+pluribus-run (env:// and the job's secret)."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+
+import numpy as np
+import pytest
+import rpc_cases as c
+from pluribus import PeerError, TCPStore, rpc
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _worker(rank, world, port, scenario, conn):
+    try:
+        store = TCPStore("127.0.0.1", port, timeout=30)
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, store=store, timeout=30)
+        result = SCENARIOS[scenario](rank, conn)
+        start = time.monotonic()
+        rpc.shutdown(timeout=5)
+        conn.send(("ok", result, time.monotonic() - start))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 0))
+
+
+def _api(rank, conn):
+    if rank != 0:
+        return os.getpid()
+    array = np.random.default_rng(1).standard_normal((64, 33)).astype(np.float32)
+    pids = {rpc.rpc_sync(w, c.pid) for w in ("w1", "w2")}
+    scaled = rpc.rpc_async("w2", c.scale, args=(array, 3.0)).wait()
+    counter = rpc.remote("w1", c.Counter, args=(1,))
+    counter.rpc_sync().add(41)
+    rpc.rpc_sync("w2", c.keep, args=(counter,))  # w2 holds a handle too
+    counter.release()
+    alive_after_release = rpc.rpc_sync("w1", c.owned_count, args=(counter.id,))
+    relayed = rpc.rpc_sync("w2", c.relay, args=(["w1", "w0"], "x"))
+    rpc.rpc_sync("w2", c.drop_kept)
+    freed = rpc.rpc_sync("w1", c.owned_count, args=(counter.id,))
+    try:
+        rpc.rpc_sync("w1", c.fail, args=("k",))
+        remote_error = None
+    except rpc.RemoteError as exc:
+        remote_error = (exc.worker, exc.remote_type, "in fail" in exc.remote_traceback)
+    return {
+        "pids": len(pids | {os.getpid()}),
+        "scaled": bool(np.array_equal(scaled, array * 3.0)),
+        "alive_after_release": alive_after_release,
+        "freed": freed,
+        "relayed": relayed,
+        "remote_error": remote_error,
+    }
+
+
+def _kill(rank, conn):
+    if rank == 2:
+        conn.send(("ready", None, 0))
+        time.sleep(60)  # killed by the test
+        return None
+    futures = [rpc.rpc_async("w2", c.sleep, args=(30,), timeout=60) for _ in range(3)]
+    conn.send(("ready", None, 0))
+    errors = []
+    for future in futures:
+        try:
+            future.wait()
+        except PeerError as exc:
+            errors.append(str(exc))
+    seen = time.monotonic()
+    try:
+        rpc.rpc_sync("w2", c.pid)
+        later = "no error"
+    except PeerError as exc:
+        later = str(exc)
+    return {"errors": errors, "later": later, "seen": seen}
+
+
+SCENARIOS = {"api": _api, "kill": _kill}
+
+
+class _Workers:
+    def __init__(self, world, scenario):
+        ctx = multiprocessing.get_context("spawn")
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, timeout=30)
+        self.procs, self.conns = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, world, self.store.port, scenario, child), daemon=True
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def receive(self, rank, timeout=60):
+        if not self.conns[rank].poll(timeout):
+            raise AssertionError(f"worker {rank} said nothing within {timeout}s")
+        status, value, seconds = self.conns[rank].recv()
+        assert status in ("ok", "ready"), value
+        return value, seconds
+
+    def close(self):
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+        for conn in self.conns:
+            conn.close()
+        self.store.close()
+
+
+def test_every_api_across_processes_with_an_rref_passed_between_three_workers():
+    workers = _Workers(3, "api")
+    try:
+        result, shutdown_seconds = workers.receive(0)
+        for rank in (1, 2):
+            workers.receive(rank)
+    finally:
+        workers.close()
+    assert result == {
+        "pids": 3,
+        "scaled": True,
+        "alive_after_release": 1,
+        "freed": 0,
+        "relayed": ["w2", "w1", "w0", "x"],
+        "remote_error": ("w1", "KeyError", True),
+    }
+    assert shutdown_seconds < 5
+
+
+def test_a_sigkilled_worker_fails_pending_calls_within_seconds_and_shutdown_does_not_hang():
+    workers = _Workers(3, "kill")
+    try:
+        workers.receive(2)
+        workers.receive(0)
+        workers.receive(1)
+        time.sleep(0.3)  # the calls are on their way
+        killed = time.monotonic()
+        os.kill(workers.procs[2].pid, signal.SIGKILL)
+        results = [workers.receive(rank, timeout=30) for rank in (0, 1)]
+    finally:
+        workers.close()
+    for result, shutdown_seconds in results:
+        assert len(result["errors"]) == 3
+        assert all("worker 'w2' (rank 2) died" in e for e in result["errors"]), result
+        assert "worker 'w2'" in result["later"]
+        assert result["seen"] - killed < 5.0
+        assert shutdown_seconds < 5.5  # shutdown's timeout, whatever the dead worker does
+
+
+def test_a_job_started_by_pluribus_run_uses_its_rendezvous_and_secret(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            import rpc_cases as c
+            from pluribus import rpc
+
+            assert os.environ["PLURIBUS_AUTH_TOKEN"]
+            me = rpc.init_rpc(f"worker{{os.environ['RANK']}}")
+            if me.id == 0:
+                print("sum", rpc.rpc_sync("worker1", c.add, args=(20, 22)))
+            rpc.shutdown()
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLURIBUS_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "pluribus.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sum 42" in out.stdout
