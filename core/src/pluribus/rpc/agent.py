@@ -135,6 +135,8 @@ class _ServerConnection:
         self._thread = threading.Thread(
             target=self._serve, name=f"{agent.thread_prefix}-from-{name}", daemon=True
         )
+
+    def start(self) -> None:
         self._thread.start()
 
     def _serve(self) -> None:
@@ -579,6 +581,7 @@ class Agent:
         connection = _ServerConnection(self, sock, peer)
         with self._lock:
             self._connections.add(connection)
+        connection.start()
 
     def forget_connection(self, connection: _ServerConnection) -> None:
         with self._lock:

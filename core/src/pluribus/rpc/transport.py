@@ -184,7 +184,15 @@ class Listener:
             peer = pending.sock.getpeername()
         except OSError:
             peer = "?"
-        log.warning("%s: refused an RPC connection from %s: %s", self.who, peer, why)
+        quiet = self.refused > 10 and str(self.refused).strip("0") != "1"  # 1-10, 100, 1000...
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "%s: refused an RPC connection from %s: %s (%d refused so far)",
+            self.who,
+            peer,
+            why,
+            self.refused,
+        )
         self._drop(pending)
 
     def _expire(self) -> None:
