@@ -72,36 +72,74 @@ def encode_parts(
         offset[0] = start + view.nbytes
         return [start, view.nbytes]
 
-    def walk(value: Any, path: str) -> Any:
+    def walk(value: Any) -> Any:
+        kind = type(value)
+        if kind in _PLAIN:
+            return value
+        if kind is list:
+            return [walk(v) for v in value]
+        if kind is tuple:
+            return {"tuple": [walk(v) for v in value]}
+        if kind is dict:
+            return {"dict": [[walk(k), walk(v)] for k, v in value.items()]}
+        return walk_other(value)
+
+    def walk_other(value: Any) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+            return [walk(v) for v in value]
         if isinstance(value, tuple):
-            return {"tuple": [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+            return {"tuple": [walk(v) for v in value]}
         if isinstance(value, dict):
-            return {
-                "dict": [
-                    [walk(k, f"{path} key"), walk(v, f"{path}[{k!r}]")] for k, v in value.items()
-                ]
-            }
+            return {"dict": [[walk(k), walk(v)] for k, v in value.items()]}
         if isinstance(value, (bytes, bytearray, memoryview)):
             return {"bytes": blob(value)}
         if isinstance(value, (np.ndarray, np.generic)) or device_of(value) == "cuda":
-            return _array_node(value, path, who, blob)
+            return _array_node(value, blob)
         if extension is not None:
             body = extension(value)
             if body is not None:
                 return {"ext": body}
-        raise TypeError(
-            f"{who}: {path} is a {type(value).__module__}.{type(value).__qualname__}, which {hint}"
+        raise _Refused(
+            value, f"a {type(value).__module__}.{type(value).__qualname__}, which {hint}"
         )
 
-    description = json.dumps(walk(obj, root)).encode()
-    return description, pieces
+    try:
+        tree = walk(obj)
+    except _Refused as refused:
+        path = _path_to(obj, refused.value, root) or f"a value in {root}"
+        raise TypeError(f"{who}: {path} is {refused.reason}") from None
+    return json.dumps(tree).encode(), pieces
 
 
-def _array_node(value: Any, path: str, who: str, blob) -> dict:
+_PLAIN = frozenset((type(None), bool, int, float, str))
+
+
+class _Refused(Exception):
+    def __init__(self, value: Any, reason: str):
+        self.value = value
+        self.reason = reason
+
+
+def _path_to(obj: Any, target: Any, path: str) -> str | None:
+    """Where ``target`` sits in ``obj`` (for error messages only, so it may be slow)."""
+    if obj is target:
+        return path
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found = _path_to(v, target, f"{path}[{i}]")
+            if found:
+                return found
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _path_to(k, target, f"{path} key") or _path_to(v, target, f"{path}[{k!r}]")
+            if found:
+                return found
+    return None
+
+
+def _array_node(value: Any, blob) -> dict:
     on_gpu = device_of(value) == "cuda"
     if on_gpu:  # TCP carries host memory: one copy to the host, and back to the GPU at the end
         import cupy
@@ -110,9 +148,10 @@ def _array_node(value: Any, path: str, who: str, blob) -> dict:
     else:
         array = np.asarray(value)
     if array.dtype.hasobject:
-        raise TypeError(
-            f"{who}: {path} is a numpy array of Python objects, which the safe encoding cannot "
-            "carry; convert it, or pass pickle=True between trusted ranks"
+        raise _Refused(
+            value,
+            "a numpy array of Python objects, which the safe encoding cannot carry; convert it, "
+            "or pass pickle=True between trusted ranks",
         )
     data = blob(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     tag = "scalar" if isinstance(value, np.generic) else "array"

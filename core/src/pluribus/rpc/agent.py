@@ -75,9 +75,10 @@ class _Channel:
 
     def _read_replies(self) -> None:
         reason = _DIED
+        reader = wire.FrameReader(self.sock, self.agent.max_message)
         try:
             while True:
-                frame = wire.recv_frame(self.sock, self.agent.max_message)
+                frame = reader.read()
                 if frame is None:
                     break
                 kind, call_id, description, heap = frame
@@ -141,10 +142,11 @@ class _ServerConnection:
 
     def _serve(self) -> None:
         said_bye = False
+        reader = wire.FrameReader(self.sock, self.agent.max_message)
         try:
             while True:
                 try:
-                    frame = wire.recv_frame(self.sock, self.agent.max_message)
+                    frame = reader.read()
                 except wire.FrameError as exc:
                     # the stream cannot be followed past a bad header: say why, then hang up
                     self.reply_error(0, exc)

@@ -28,8 +28,9 @@ KINDS = frozenset((REQUEST, REPLY, NOTE, BYE))
 MAX_DESCRIPTION = 64 * 2**20
 #: The default limit of a frame's heap (the raw bytes of its arrays); ``init_rpc`` can raise it.
 DEFAULT_MAX_MESSAGE = 2**31
-#: How much of a body is read per ``recv`` call.
+#: How much of a large body is read per ``recv`` call, and the buffer for small frames.
 _CHUNK = 4 * 2**20
+_BUFFER = 256 * 2**10
 
 
 class FrameError(ValueError):
@@ -106,22 +107,81 @@ def send_frame(
             buffers[0] = buffers[0][sent:]
 
 
+class FrameReader:
+    """Reads frames from one socket with as few system calls as possible: small frames come
+    out of one buffered ``recv``, large heaps are read straight into their own array."""
+
+    def __init__(self, sock: socket.socket, max_message: int):
+        self.sock = sock
+        self.max_message = max_message
+        self._buffer = bytearray(_BUFFER)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+
+    def _fill(self, need: int) -> bool:
+        """At least ``need`` buffered bytes; False at the end of the stream."""
+        if self._end - self._start >= need:
+            return True
+        if self._start:
+            left = self._end - self._start
+            self._buffer[:left] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, left
+        while self._end < need:
+            n = self.sock.recv_into(self._view[self._end :])
+            if n == 0:
+                return False
+            self._end += n
+        return True
+
+    def _take(self, size: int) -> bytes:
+        data = bytes(self._view[self._start : self._start + size])
+        self._start += size
+        return data
+
+    def read(self) -> tuple[int, int, bytes, Any] | None:
+        """(kind, call id, description, heap) of the next frame; None at a clean end of the
+        stream (between frames). ConnectionError when it ends inside a frame."""
+        if not self._fill(HEADER.size):
+            if self._end - self._start:
+                raise ConnectionError("the connection closed inside a message")
+            return None
+        kind, call_id, description_size, heap_size = parse_header(
+            self._take(HEADER.size), self.max_message
+        )
+        description = b""
+        if description_size:
+            if description_size <= _BUFFER:
+                if not self._fill(description_size):
+                    raise ConnectionError("the connection closed inside a message")
+                description = self._take(description_size)
+            else:
+                description = bytes(self._read_into(np.empty(description_size, np.uint8)))
+        heap = self._read_into(np.empty(heap_size, dtype=np.uint8))
+        return kind, call_id, description, heap
+
+    def _read_into(self, target: np.ndarray) -> np.ndarray:
+        size = target.nbytes
+        view = memoryview(target)
+        got = min(size, self._end - self._start)
+        view[:got] = self._view[self._start : self._start + got]
+        self._start += got
+        while got < size:
+            n = self.sock.recv_into(view[got : got + _CHUNK])
+            if n == 0:
+                raise ConnectionError("the connection closed inside a message")
+            got += n
+        return target
+
+
 def recv_frame(sock: socket.socket, max_message: int) -> tuple[int, int, bytes, Any] | None:
-    """(kind, call id, description, heap) of the next frame; None at a clean end of stream
-    (between frames). ConnectionError when the stream ends inside a frame."""
+    """One frame from ``sock`` without buffering past it (for tests and one-off readers)."""
     header = _recv_exact(sock, HEADER.size, at_start=True)
     if header is None:
         return None
     kind, call_id, description_size, heap_size = parse_header(header, max_message)
     description = _recv_exact(sock, description_size) if description_size else b""
-    heap = np.empty(heap_size, dtype=np.uint8)
-    view = memoryview(heap)
-    got = 0
-    while got < heap_size:
-        n = sock.recv_into(view[got : got + _CHUNK])
-        if n == 0:
-            raise ConnectionError("the connection closed inside a message")
-        got += n
+    heap = np.frombuffer(_recv_exact(sock, heap_size), dtype=np.uint8) if heap_size else b""
     return kind, call_id, description, heap
 
 

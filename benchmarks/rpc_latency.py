@@ -1,0 +1,176 @@
+"""pluribus.rpc against torch.distributed.rpc and gloo send/recv, in the same run.
+
+Run::
+
+    pluribus-run --nproc-per-node 2 benchmarks/rpc_latency.py [--rounds 7] [--json out.json]
+
+Rank 0 calls, rank 1 serves. In each round, blocks of each contender run one after the other
+(so a noisy moment hits all of them), and the best block per contender is kept:
+
+- latency: ``rpc_sync(w1, add, args=(1, 2))`` round trips, pluribus.rpc vs torch.distributed.rpc
+  (TensorPipe; skipped when torch is not installed). Goals: below 100 us, and at most 0.5x torch.
+- throughput: a 16 MiB float32 array as the argument of ``rpc_sync`` (the reply is its byte
+  count) vs the gloo backend's ``send`` of the same bytes answered by a 4-byte ``send`` back.
+  Goal: at least 0.8x gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import pluribus as pb
+from pluribus import rpc
+
+SIZE = 16 * 2**20
+
+
+@rpc.expose
+def add(a, b):
+    return a + b
+
+
+@rpc.expose
+def nbytes(array):
+    return int(array.nbytes)
+
+
+def torch_add(a, b):
+    return a + b
+
+
+def torch_nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+def _best_per_call(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=2000, help="small calls per block")
+    parser.add_argument("--transfers", type=int, default=20, help="16 MiB transfers per block")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    pb.init_process_group("gloo")
+    rank = pb.get_rank()
+    rpc.init_rpc(f"w{rank}", timeout=120)  # the default group's store
+    try:
+        import torch
+        import torch.distributed.rpc as torch_rpc
+    except ImportError:
+        torch = torch_rpc = None
+    if torch_rpc is not None:
+        port = None
+        if rank == 0:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+        port = pb.broadcast_object(port, src=0)
+        options = torch_rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=16, rpc_timeout=120
+        )
+        torch_rpc.init_rpc(f"t{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+
+    array = np.ones(SIZE // 4, dtype=np.float32)
+    ack = np.zeros(1, dtype=np.int32)
+    results: dict[str, list[float]] = {"pluribus_rpc_latency_s": [], "torch_rpc_latency_s": []}
+    results.update({"pluribus_rpc_16MiB_s": [], "gloo_16MiB_s": [], "torch_rpc_16MiB_s": []})
+    tensor = torch.ones(SIZE // 4) if torch is not None else None
+    for _ in range(args.rounds):
+        pb.barrier()
+        if rank == 0:
+            for _ in range(50):  # warm the connection
+                rpc.rpc_sync("w1", add, args=(1, 2))
+            results["pluribus_rpc_latency_s"].append(
+                _best_per_call(lambda: rpc.rpc_sync("w1", add, args=(1, 2)), args.calls)
+            )
+            if torch_rpc is not None:
+                results["torch_rpc_latency_s"].append(
+                    _best_per_call(
+                        lambda: torch_rpc.rpc_sync("t1", torch_add, args=(1, 2)), args.calls
+                    )
+                )
+            results["pluribus_rpc_16MiB_s"].append(
+                _best_per_call(lambda: rpc.rpc_sync("w1", nbytes, args=(array,)), args.transfers)
+            )
+            if torch_rpc is not None:
+                results["torch_rpc_16MiB_s"].append(
+                    _best_per_call(
+                        lambda: torch_rpc.rpc_sync("t1", torch_nbytes, args=(tensor,)),
+                        args.transfers,
+                    )
+                )
+        pb.barrier()
+        if rank == 0:
+
+            def gloo_transfer():
+                pb.send(array, 1)
+                pb.recv(ack, 1)
+
+            results["gloo_16MiB_s"].append(_best_per_call(gloo_transfer, args.transfers))
+        else:
+            for _ in range(args.transfers):
+                pb.recv(array, 0)
+                pb.send(ack, 0)
+    pb.barrier()
+    if torch_rpc is not None:
+        torch_rpc.shutdown()
+    rpc.shutdown()
+    if rank == 0:
+        _report(results, args, torch is not None)
+    pb.destroy_process_group()
+
+
+def _report(results: dict[str, list[float]], args, have_torch: bool) -> None:
+    best = {k: min(v) for k, v in results.items() if v}
+    median = {k: statistics.median(v) for k, v in results.items() if v}
+    gib = 2**30
+    lines = [
+        f"rounds {args.rounds}, {args.calls} small calls and {args.transfers} 16 MiB transfers "
+        "per block; best block (median block)",
+        f"pluribus.rpc rpc_sync latency      {best['pluribus_rpc_latency_s'] * 1e6:8.1f} us "
+        f"({median['pluribus_rpc_latency_s'] * 1e6:.1f})",
+    ]
+    if have_torch:
+        ratio = best["pluribus_rpc_latency_s"] / best["torch_rpc_latency_s"]
+        lines.append(
+            f"torch.distributed.rpc latency      {best['torch_rpc_latency_s'] * 1e6:8.1f} us "
+            f"({median['torch_rpc_latency_s'] * 1e6:.1f})   pluribus/torch = {ratio:.2f} "
+            "(goal <= 0.5)"
+        )
+    rpc_bw = SIZE / best["pluribus_rpc_16MiB_s"] / gib
+    gloo_bw = SIZE / best["gloo_16MiB_s"] / gib
+    lines.append(
+        f"pluribus.rpc 16 MiB argument       {rpc_bw:8.2f} GiB/s "
+        f"({SIZE / median['pluribus_rpc_16MiB_s'] / gib:.2f})"
+    )
+    lines.append(
+        f"gloo send/recv 16 MiB              {gloo_bw:8.2f} GiB/s "
+        f"({SIZE / median['gloo_16MiB_s'] / gib:.2f})   rpc/gloo = {rpc_bw / gloo_bw:.2f} "
+        "(goal >= 0.8)"
+    )
+    if have_torch:
+        torch_bw = SIZE / best["torch_rpc_16MiB_s"] / gib
+        lines.append(f"torch.distributed.rpc 16 MiB       {torch_bw:8.2f} GiB/s")
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"best": best, "median": median, "all": results}, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
