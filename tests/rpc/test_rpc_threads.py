@@ -224,6 +224,11 @@ def test_rref_methods_values_and_locally_owned_references():
         with rpc.remote("w1", c.fail, args=("made badly",)) as broken:
             with pytest.raises(rpc.RemoteError, match="made badly"):
                 broken.to_here()
+        # a value made on this worker by remote() can be passed on at once
+        with rpc.remote("w0", c.Counter, args=(7,)) as local:
+            assert rpc.rpc_sync("w1", c.pass_on, args=(local, "w1")) == 1
+            rpc.rpc_sync("w1", c.drop_kept)
+            assert local.local_value().get() == 7
         mine = rpc.RRef(np.arange(4))
         assert mine.is_owner() and mine.local_value() is mine.to_here()
         doubled = rpc.rpc_sync("w1", c.to_here_of, args=(mine,))

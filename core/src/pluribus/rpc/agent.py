@@ -465,10 +465,19 @@ class Agent:
 
     def remote(self, to: Any, name: str, args, kwargs, timeout) -> RRef:
         peer = self.worker(to)
-        rid = self.new_rref_id()
+        rid = self._new_owned_id(peer.id)
         request = {"op": "remote", "fn": name, "rref": rid, "args": args, "kwargs": kwargs}
         future = self.call(peer, request, timeout, f"remote({name})", wait=False)
         return RRef._handle(self, peer.id, rid, future)
+
+    def _new_owned_id(self, owner: int) -> str:
+        """A fresh RRef id. Made on this worker for itself, the entry exists before the call
+        goes out, so the handle can be passed on at once; an owner elsewhere makes it when it
+        reads the call, before anything the handle is later sent with."""
+        rid = self.new_rref_id()
+        if owner == self.rank:
+            self.table.create(rid)
+        return rid
 
     def fetch(self, rref: RRef, timeout: float | None) -> Any:
         request = {"op": "fetch", "rref": rref.id}
@@ -480,7 +489,7 @@ class Agent:
         request["kwargs"] = kwargs
         what = f"{method}() of {rref.id}"
         if mode == "remote":
-            rid = self.new_rref_id()
+            rid = self._new_owned_id(rref._owner)
             request["into"] = rid
             future = self.call(rref._owner, request, timeout, what, wait=False)
             return RRef._handle(self, rref._owner, rid, future)
@@ -619,7 +628,8 @@ class Agent:
                 target = registry.resolve(_text(request, "fn"))
                 args, kwargs = _arguments(request)
                 rid = _text(request, "rref")
-                self.table.create(rid)
+                if connection.peer != self.rank:
+                    self.table.create(rid)
                 self._submit_into(
                     connection, call_id, expires, rid, lambda: target(*args, **kwargs)
                 )
@@ -627,7 +637,7 @@ class Agent:
                 rid, method = _text(request, "rref"), _text(request, "method")
                 args, kwargs = _arguments(request)
                 into = request.get("into")
-                if into is not None:
+                if into is not None and connection.peer != self.rank:
                     self.table.create(_text(request, "into"))
 
                 def when_ready(entry):
