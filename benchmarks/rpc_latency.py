@@ -24,7 +24,6 @@ import sys
 import time
 
 import numpy as np
-
 import pluribus as pb
 from pluribus import rpc
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from pluribus import HashStore, nn, rpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
