@@ -31,6 +31,8 @@ from .pool import HandlerPool
 from .rref import OwnerTable, RRef
 from .transport import Listener, connect
 
+#: A handler run on a connection's reading thread longer than this (seconds) hands reading on.
+INLINE_LIMIT = 0.002
 _DIED = "died (its connection closed without a goodbye: the process exited or was killed)"
 _LEFT = "shut down"
 
@@ -132,17 +134,50 @@ class _ServerConnection:
         self.peer = peer
         self.lock = threading.Lock()
         self.closed = False
-        name = agent.workers[peer].name if peer < len(agent.workers) else str(peer)
-        self._thread = threading.Thread(
-            target=self._serve, name=f"{agent.thread_prefix}-from-{name}", daemon=True
-        )
+        self.name = agent.workers[peer].name if peer < len(agent.workers) else str(peer)
+        self._reader = wire.FrameReader(sock, agent.max_message)
+        self._role = threading.Lock()
+        self._readers = itertools.count()
+        self._reading = next(self._readers)  # which thread reads now
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, token: int = 0) -> None:
+        """Start reading (one thread at a time reads; see ``run_inline``)."""
+        threading.Thread(
+            target=self._serve,
+            args=(token,),
+            name=f"{self.agent.thread_prefix}-from-{self.name}",
+            daemon=True,
+        ).start()
 
-    def _serve(self) -> None:
+    def run_inline(self, job, token: int) -> bool:
+        """Run a handler on the reading thread ``token``, saving the hand-over to a pool thread
+        (the round trip of a small call). Reading goes on in another thread if the handler
+        waits for a call or outlives ``INLINE_LIMIT``. False when the pool is full."""
+        run = (self, token)
+        self.agent.inline[run] = time.monotonic()
+        try:
+            return self.agent.pool.run_here(job, lambda: self.hand_over(token))
+        finally:
+            self.agent.inline.pop(run, None)
+
+    def hand_over(self, token: int) -> None:
+        """If thread ``token`` still reads this connection, let a new thread read instead."""
+        with self._role:
+            if self._reading != token:
+                return
+            self._reading = next(self._readers)
+            successor = self._reading
+        self.start(successor)
+
+    def _still_reader(self, token: int) -> bool:
+        with self._role:
+            return self._reading == token
+
+    def _serve(self, token: int) -> None:
+        if self.agent.bind_thread is not None:
+            self.agent.bind_thread(self.agent)
         said_bye = False
-        reader = wire.FrameReader(self.sock, self.agent.max_message)
+        reader = self._reader
         try:
             while True:
                 try:
@@ -164,15 +199,16 @@ class _ServerConnection:
                         self.reply_error(call_id, exc)
                     continue
                 if kind == wire.REQUEST:
-                    self.agent.serve(self, call_id, body)
+                    self.agent.serve(self, call_id, body, token)
+                    if not self._still_reader(token):
+                        return  # another thread reads on; this one ran a handler
                 elif kind == wire.NOTE:
                     self.agent.note(body)
         except OSError:
             pass
-        finally:
-            self.close()
-            if not said_bye:
-                self.agent.peer_gone(self.peer, _DIED)
+        self.close()
+        if not said_bye:
+            self.agent.peer_gone(self.peer, _DIED)
 
     def reply(self, call_id: int, value: Any) -> None:
         try:
@@ -262,7 +298,9 @@ class Agent:
         self._deadlines: list[tuple] = []  # (deadline, call id, seconds, future, channel, ...)
         self._deadline_cond = threading.Condition()
         self._releases: queue.SimpleQueue = queue.SimpleQueue()
+        self.inline: dict[tuple[_ServerConnection, int], float] = {}  # run -> since
         self.owns_store = False
+        self.bind_thread = bind_thread  # makes this the agent of a thread that runs handlers
         self.pool = HandlerPool(
             num_worker_threads,
             max_threads,
@@ -272,7 +310,11 @@ class Agent:
         self._listener = Listener(address, secret, world_size, self._accepted, self.who)
         self._threads = [
             threading.Thread(target=target, name=f"{self.thread_prefix}-{what}", daemon=True)
-            for target, what in ((self._watch_deadlines, "deadlines"), (self._release_loop, "gc"))
+            for target, what in (
+                (self._watch_deadlines, "deadlines"),
+                (self._release_loop, "gc"),
+                (self._watch_inline, "inline"),
+            )
         ]
         for thread in self._threads:
             thread.start()
@@ -449,6 +491,16 @@ class Agent:
                 if channel.pending.pop(call_id, None) is not None and not future.done():
                     future.set_exception(self._timed_out(what, peer, seconds))
 
+    def _watch_inline(self) -> None:
+        """Hand reading over from a handler that runs long on a connection's reading thread,
+        so that the peer's next calls are not held up behind it."""
+        while self._state != "closed":
+            time.sleep(INLINE_LIMIT / 2)
+            now = time.monotonic()
+            for (connection, token), since in list(self.inline.items()):
+                if now - since > INLINE_LIMIT:
+                    connection.hand_over(token)
+
     def deliver(self, future: Future, reply: Any, peer: WorkerInfo) -> None:
         if isinstance(reply, dict) and "ok" in reply:
             future.set_result(reply["ok"])
@@ -606,7 +658,9 @@ class Agent:
         ):
             self.table.decref(body["rref"])
 
-    def serve(self, connection: _ServerConnection, call_id: int, request: Any) -> None:
+    def serve(
+        self, connection: _ServerConnection, call_id: int, request: Any, token: int | None = None
+    ) -> None:
         """One request, read on ``connection``'s thread: bookkeeping at once, handlers on the
         pool."""
         try:
@@ -623,7 +677,7 @@ class Agent:
             elif op == "call":
                 target = registry.resolve(_text(request, "fn"))
                 args, kwargs = _arguments(request)
-                self._submit(connection, call_id, expires, lambda: target(*args, **kwargs))
+                self._submit(connection, call_id, expires, lambda: target(*args, **kwargs), token)
             elif op == "remote":
                 target = registry.resolve(_text(request, "fn"))
                 args, kwargs = _arguments(request)
@@ -669,7 +723,10 @@ class Agent:
         except Exception as exc:
             connection.reply_error(call_id, exc)
 
-    def _submit(self, connection, call_id: int, expires: float, run) -> None:
+    def _submit(self, connection, call_id: int, expires: float, run, token=None) -> None:
+        """Run a handler: on the reading thread ``token`` when given and the pool has room,
+        else on the pool."""
+
         def job() -> None:
             if time.monotonic() > expires:
                 connection.reply_error(call_id, TimeoutError("the call expired in the queue"))
@@ -684,7 +741,8 @@ class Agent:
                 return
             connection.reply(call_id, result)
 
-        self.pool.submit(job)
+        if token is None or not connection.run_inline(job, token):
+            self.pool.submit(job)
 
     def _submit_into(self, connection, call_id: int, expires: float, rid: str, run) -> None:
         def make():

@@ -26,11 +26,15 @@ def current_pool() -> HandlerPool | None:
 
 @contextlib.contextmanager
 def waiting():
-    """Around a wait inside a handler: lets the pool run another handler meanwhile."""
+    """Around a wait inside a handler: lets the pool run another handler meanwhile (and, for
+    a handler run on a connection's reading thread, lets another thread read on)."""
     pool = current_pool()
     if pool is None:
         yield
         return
+    on_wait = getattr(_local, "on_wait", None)
+    if on_wait is not None:
+        on_wait()
     pool._leave()
     try:
         yield
@@ -72,6 +76,29 @@ class HandlerPool:
             threading.Thread(
                 target=self._run, name=f"{self.name}-{self._threads}", daemon=True
             ).start()
+
+    def run_here(self, job: Callable[[], None], on_wait: Callable[[], None]) -> bool:
+        """Run ``job`` on the calling thread when a place is free and nothing is queued (no
+        hand-over to a pool thread); False, without running it, otherwise. ``on_wait`` is
+        called if the job waits for another call."""
+        with self._cond:
+            if self._closed or self._jobs or self._active >= self.size:
+                return False
+            self._active += 1
+            self._busy += 1
+        _local.pool, _local.on_wait = self, on_wait
+        try:
+            job()
+        except BaseException:  # a job reports its own errors
+            pass
+        finally:
+            _local.pool = _local.on_wait = None
+            with self._cond:
+                self._active -= 1
+                self._busy -= 1
+                self._cond.notify_all()
+                self._wake()
+        return True
 
     def _leave(self) -> None:
         with self._cond:
