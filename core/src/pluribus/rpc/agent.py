@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import queue
+import select
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from ..errors import DistTimeoutError, PeerError, PluribusError
 from . import registry, wire
 from .errors import RemoteError
 from .futures import Future
-from .pool import HandlerPool
+from .pool import HandlerPool, waiting
 from .rref import OwnerTable, RRef
 from .transport import Listener, connect
 
@@ -46,22 +47,33 @@ class WorkerInfo:
 
 
 class _Channel:
-    """This worker's connection to one peer's server: requests and notes out, replies in."""
+    """This worker's connection to one peer's server: requests and notes out, replies in.
+
+    Whoever waits reads: a thread waiting in ``rpc_sync`` reads the replies itself (and hands
+    on the others' replies it meets), so a small call costs no hand-over between threads. The
+    channel's own reader thread reads only for calls nobody is reading for (``rpc_async``, or
+    callers left waiting when a reader's reply came first).
+    """
 
     def __init__(self, agent: Agent, peer: WorkerInfo, sock: socket.socket):
         self.agent = agent
         self.peer = peer
         self.sock = sock
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # sending
         self.pending: dict[int, Future] = {}
         self.broken: str | None = None
         self._said_bye = False
-        self._thread = threading.Thread(
-            target=self._read_replies, name=f"{agent.thread_prefix}-to-{peer.name}", daemon=True
-        )
-        self._thread.start()
+        self._reader = wire.FrameReader(sock, agent.max_message)
+        self._role = threading.Lock()  # reading
+        self._wanted = threading.Condition()
+        self._reader_wanted = False
+        threading.Thread(
+            target=self._read_for_others, name=f"{agent.thread_prefix}-to-{peer.name}", daemon=True
+        ).start()
 
     def send(self, kind: int, call_id: int, body, future: Future | None = None) -> None:
+        """Write a frame; with ``future``, a request whose reply it receives. The channel's
+        reader thread is woken for it unless the caller reads itself (``wait``)."""
         description, pieces = body
         with self.lock:
             if self.broken is not None:
@@ -75,38 +87,78 @@ class _Channel:
                 self.broken = _DIED
                 raise self.agent.gone_error(self.peer, f"{_DIED}: {exc}") from None
 
-    def _read_replies(self) -> None:
-        reason = _DIED
-        reader = wire.FrameReader(self.sock, self.agent.max_message)
-        try:
-            while True:
-                frame = reader.read()
-                if frame is None:
-                    break
-                kind, call_id, description, heap = frame
-                if kind == wire.BYE:
-                    self._said_bye = True
-                    continue
-                if kind != wire.REPLY:
-                    raise wire.FrameError(f"a frame of kind {kind} where replies come")
-                future = self.pending.pop(call_id, None)
-                if future is None:  # timed out meanwhile
+    def want_reader(self) -> None:
+        with self._wanted:
+            self._reader_wanted = True
+            self._wanted.notify()
+
+    def wait(self, future: Future, deadline: float) -> bool:
+        """Read until ``future`` is done or ``deadline`` passes; False on the deadline."""
+        with waiting():
+            while not future.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if not self._role.acquire(blocking=False):
+                    try:  # another thread reads, and will hand the reply on
+                        future.exception(min(left, 0.05))
+                    except concurrent.futures.TimeoutError:
+                        pass
                     continue
                 try:
-                    reply = self.agent.decode(description, heap, self.peer.id, request=False)
-                except Exception as exc:
-                    future.set_exception(
-                        PluribusError(
-                            f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}"
-                        )
-                    )
-                    continue
-                self.agent.deliver(future, reply, self.peer)
-        except (OSError, wire.FrameError) as exc:
-            reason = f"{_DIED}: {exc}" if not self._said_bye else _LEFT
-        if self._said_bye:
-            reason = _LEFT
-        self.close(reason)
+                    while not future.done() and self.broken is None:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        if not self._reader.buffered():
+                            ready, _, _ = select.select([self.sock], [], [], left)
+                            if not ready:
+                                continue
+                        self._read_one()
+                finally:
+                    self._role.release()
+                    if self.pending:
+                        self.want_reader()
+        return True
+
+    def _read_for_others(self) -> None:
+        while self.broken is None:
+            with self._wanted:
+                while not self._reader_wanted and self.broken is None:
+                    self._wanted.wait()
+                self._reader_wanted = False
+            while self.pending and self.broken is None:
+                with self._role:
+                    if self.pending and self.broken is None:
+                        self._read_one()
+
+    def _read_one(self) -> None:
+        """Read one frame and hand its reply to its future; close the channel at its end."""
+        try:
+            frame = self._reader.read()
+            if frame is None:
+                self.close(_LEFT if self._said_bye else _DIED)
+                return
+            kind, call_id, description, heap = frame
+            if kind == wire.BYE:
+                self._said_bye = True
+                return
+            if kind != wire.REPLY:
+                raise wire.FrameError(f"a frame of kind {kind} where replies come")
+        except (OSError, ValueError) as exc:
+            self.close(_LEFT if self._said_bye else f"{_DIED}: {exc}")
+            return
+        future = self.pending.pop(call_id, None)
+        if future is None:  # timed out meanwhile
+            return
+        try:
+            reply = self.agent.decode(description, heap, self.peer.id, request=False)
+        except Exception as exc:
+            future.set_exception(
+                PluribusError(f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}")
+            )
+            return
+        self.agent.deliver(future, reply, self.peer)
 
     def close(self, reason: str) -> None:
         with self.lock:
@@ -118,6 +170,8 @@ class _Channel:
         except OSError:
             pass
         self.sock.close()
+        with self._wanted:
+            self._wanted.notify_all()
         self.agent.peer_gone(self.peer.id, self.broken)
         error = self.agent.gone_error(self.peer, self.broken, pending=True)
         for future in pending.values():
@@ -455,13 +509,11 @@ class Agent:
             self._undo_counts(body)
             raise
         if wait:
-            try:
-                return future.result(seconds)
-            except concurrent.futures.TimeoutError:
-                if future.done():  # the call itself raised a timeout
-                    raise
+            if not channel.wait(future, time.monotonic() + seconds):
                 channel.pending.pop(call_id, None)
-                raise self._timed_out(what, peer, seconds) from None
+                raise self._timed_out(what, peer, seconds)
+            return future.result(0)
+        channel.want_reader()
         with self._deadline_cond:
             heapq.heappush(
                 self._deadlines,

@@ -119,6 +119,10 @@ class FrameReader:
         self._start = 0
         self._end = 0
 
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet returned in a frame."""
+        return self._end - self._start
+
     def _fill(self, need: int) -> bool:
         """At least ``need`` buffered bytes; False at the end of the stream."""
         if self._end - self._start >= need:
