@@ -2,6 +2,7 @@
 (TCP on loopback, the handshake, the pool). Results are checked against computing the same
 thing locally."""
 
+import threading
 import time
 
 import numpy as np
@@ -29,6 +30,10 @@ def test_sync_async_and_addressing_by_name_rank_and_info():
         return out
 
     out = run_threads(2, main)[0]
+    deadline = time.monotonic() + 5  # shutdown leaves no thread behind
+    while any(t.name.startswith("pluribus-rpc") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.01)
     assert out[:3] == [5, 5, 5]
     assert out[3] == [i + 10 for i in range(20)]
     assert out[4] == ((1, "x"), {"k": [None, True, 2.5]})

@@ -33,7 +33,7 @@ from .rref import OwnerTable, RRef
 from .transport import Listener, connect
 
 #: A handler run on a connection's reading thread longer than this (seconds) hands reading on.
-INLINE_LIMIT = 0.002
+INLINE_LIMIT = 0.02
 _DIED = "died (its connection closed without a goodbye: the process exited or was killed)"
 _LEFT = "shut down"
 
@@ -847,7 +847,7 @@ class Agent:
                     except PluribusError:
                         waiting_for.discard(rank)
                 next_probe = time.monotonic() + 0.5
-            time.sleep(0.005)
+            time.sleep(0.02)
 
     def _close(self) -> None:
         with self._lock:
