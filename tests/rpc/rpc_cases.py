@@ -37,6 +37,12 @@ def sleep(seconds):
 
 
 @rpc.expose
+def echo_after(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+@rpc.expose
 def whoami():
     return rpc.get_worker_info().name
 

@@ -303,3 +303,21 @@ def test_a_dead_worker_fails_pending_calls_at_once():
         return time.monotonic() - start
 
     assert run_threads(2, main)[0] < 2.0
+
+
+def test_large_arrays_both_ways_after_a_timed_out_call_do_not_block_the_connection():
+    big = np.arange(4 * 2**20, dtype=np.float64)  # 32 MiB each way
+
+    def main(rank):
+        if rank != 0:
+            return None
+        with pytest.raises(DistTimeoutError):
+            rpc.rpc_sync("w1", c.echo_after, args=(0.3, big), timeout=0.1)
+        futures = [rpc.rpc_async("w1", c.scale, args=(big, 2.0)) for _ in range(2)]
+        back = rpc.rpc_sync("w1", c.scale, args=(big, 3.0), timeout=30)
+        return back, [f.wait(30) for f in futures]
+
+    back, others = run_threads(2, main)[0]
+    np.testing.assert_array_equal(back, big * 3.0)
+    for other in others:
+        np.testing.assert_array_equal(other, big * 2.0)

@@ -65,6 +65,8 @@ class _Channel:
         self._said_bye = False
         self._reader = wire.FrameReader(sock, agent.max_message)
         self._role = threading.Lock()  # reading
+        self._requests_sent = 0  # written under ``lock``
+        self._replies_read = 0  # written by the thread holding ``_role``
         self._wanted = threading.Condition()
         self._reader_wanted = False
         threading.Thread(
@@ -75,6 +77,10 @@ class _Channel:
         """Write a frame; with ``future``, a request whose reply it receives. The channel's
         reader thread is woken for it unless the caller reads itself (``wait``)."""
         description, pieces = body
+        if self.owed() and sum(p.nbytes for p in pieces) > 65536:
+            # someone must read replies while this thread may block sending: a peer blocked
+            # sending a large reply is not reading this request
+            self.want_reader()
         with self.lock:
             if self.broken is not None:
                 raise self.agent.gone_error(self.peer, self.broken)
@@ -82,10 +88,16 @@ class _Channel:
                 self.pending[call_id] = future
             try:
                 wire.send_frame(self.sock, kind, call_id, description, pieces)
+                if kind == wire.REQUEST:
+                    self._requests_sent += 1
             except OSError as exc:
                 self.pending.pop(call_id, None)
                 self.broken = _DIED
                 raise self.agent.gone_error(self.peer, f"{_DIED}: {exc}") from None
+
+    def owed(self) -> int:
+        """Replies the peer still owes, including those of calls that timed out here."""
+        return max(0, self._requests_sent - self._replies_read)
 
     def want_reader(self) -> None:
         with self._wanted:
@@ -117,7 +129,7 @@ class _Channel:
                         self._read_one()
                 finally:
                     self._role.release()
-                    if self.pending:
+                    if self.owed():
                         self.want_reader()
         return True
 
@@ -127,9 +139,9 @@ class _Channel:
                 while not self._reader_wanted and self.broken is None:
                     self._wanted.wait()
                 self._reader_wanted = False
-            while self.pending and self.broken is None:
+            while self.owed() and self.broken is None:
                 with self._role:
-                    if self.pending and self.broken is None:
+                    if self.owed() and self.broken is None:
                         self._read_one()
 
     def _read_one(self) -> None:
@@ -145,6 +157,7 @@ class _Channel:
                 return
             if kind != wire.REPLY:
                 raise wire.FrameError(f"a frame of kind {kind} where replies come")
+            self._replies_read += 1
         except (OSError, ValueError) as exc:
             self.close(_LEFT if self._said_bye else f"{_DIED}: {exc}")
             return
@@ -511,6 +524,7 @@ class Agent:
         if wait:
             if not channel.wait(future, time.monotonic() + seconds):
                 channel.pending.pop(call_id, None)
+                channel.want_reader()  # the late reply must still be read off the connection
                 raise self._timed_out(what, peer, seconds)
             return future.result(0)
         channel.want_reader()

@@ -2,7 +2,8 @@
 
 At most ``size`` handlers run at once. A handler that waits for another call (a nested RPC, a
 remote reference's value) gives its place up while it waits: the pool may then start another
-thread for the next queued handler, up to ``max_threads`` threads in all. So a chain of calls
+thread for the next queued handler, up to ``max_threads`` threads in all (counting handlers run
+on a connection's reading thread, ``run_here``). So a chain of calls
 between workers (A calls B, whose handler calls A, ...) always finds a thread to run on, and the
 number of threads and the memory they hold stay bounded. The same idea as Go's scheduler handing
 a blocked thread's processor on, or Java's ForkJoinPool managed blocking.
@@ -56,6 +57,7 @@ class HandlerPool:
         self._idle = 0
         self._active = 0
         self._busy = 0  # running a job, waiting or not
+        self._inline = 0  # jobs run on their callers' threads (``run_here``)
         self._closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -71,7 +73,7 @@ class HandlerPool:
             return
         if self._idle:
             self._cond.notify()
-        elif self._threads < self.max_threads:
+        elif self._threads + self._inline < self.max_threads:
             self._threads += 1
             threading.Thread(
                 target=self._run, name=f"{self.name}-{self._threads}", daemon=True
@@ -84,8 +86,11 @@ class HandlerPool:
         with self._cond:
             if self._closed or self._jobs or self._active >= self.size:
                 return False
+            if self._threads + self._inline >= self.max_threads:
+                return False
             self._active += 1
             self._busy += 1
+            self._inline += 1
         _local.pool, _local.on_wait = self, on_wait
         try:
             job()
@@ -96,6 +101,7 @@ class HandlerPool:
             with self._cond:
                 self._active -= 1
                 self._busy -= 1
+                self._inline -= 1
                 self._cond.notify_all()
                 self._wake()
         return True
