@@ -28,7 +28,7 @@ from ..errors import DistTimeoutError, PeerError, PluribusError
 from . import registry, wire
 from .errors import RemoteError
 from .futures import Future
-from .pool import HandlerPool, waiting
+from .pool import HandlerPool, current_pool, waiting
 from .rref import OwnerTable, RRef
 from .transport import Listener, connect
 
@@ -65,6 +65,8 @@ class _Channel:
         self._said_bye = False
         self._reader = wire.FrameReader(sock, agent.max_message)
         self._role = threading.Lock()  # reading
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
         self._requests_sent = 0  # written under ``lock``
         self._replies_read = 0  # written by the thread holding ``_role``
         self._wanted = threading.Condition()
@@ -106,31 +108,34 @@ class _Channel:
 
     def wait(self, future: Future, deadline: float) -> bool:
         """Read until ``future`` is done or ``deadline`` passes; False on the deadline."""
-        with waiting():
-            while not future.done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                if not self._role.acquire(blocking=False):
-                    try:  # another thread reads, and will hand the reply on
-                        future.exception(min(left, 0.05))
-                    except concurrent.futures.TimeoutError:
-                        pass
-                    continue
-                try:
-                    while not future.done() and self.broken is None:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            break
-                        if not self._reader.buffered():
-                            ready, _, _ = select.select([self.sock], [], [], left)
-                            if not ready:
-                                continue
-                        self._read_one()
-                finally:
-                    self._role.release()
-                    if self.owed():
-                        self.want_reader()
+        if current_pool() is None:
+            return self._wait(future, deadline)
+        with waiting():  # a handler waiting: its pool may run another meanwhile
+            return self._wait(future, deadline)
+
+    def _wait(self, future: Future, deadline: float) -> bool:
+        while not future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if not self._role.acquire(blocking=False):
+                try:  # another thread reads, and will hand the reply on
+                    future.exception(min(left, 0.05))
+                except concurrent.futures.TimeoutError:
+                    pass
+                continue
+            try:
+                while not future.done() and self.broken is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    if not self._reader.buffered() and not self._poll.poll(left * 1000):
+                        continue
+                    self._read_one()
+            finally:
+                self._role.release()
+                if self.owed():
+                    self.want_reader()
         return True
 
     def _read_for_others(self) -> None:
