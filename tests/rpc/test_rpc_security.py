@@ -270,3 +270,42 @@ def test_any_byte_stream_from_a_peer_leaves_the_worker_serving(server, stream, a
         pass
     sock.close()
     assert rpc.rpc_sync("server", c.add, args=(1, 1), timeout=5) == 2
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**62), 2**62)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=6)
+    | st.binary(max_size=6)
+    | st.builds(
+        lambda shape, dtype: (np.arange(int(np.prod(shape))) % 3).astype(dtype).reshape(shape),
+        st.lists(st.integers(0, 3), max_size=3),
+        st.sampled_from(["float32", "int64", "uint8", "bool", "complex128"]),
+    ),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text(max_size=4) | st.integers(0, 9), children, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+def _same(a, b):
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(value=_values)
+def test_every_value_that_can_travel_arrives_unchanged(value, no_unpickling):
+    description, pieces = wire.encode_body(value, "test")
+    heap = np.frombuffer(b"".join(bytes(p) for p in pieces), dtype=np.uint8)
+    assert _same(value, wire.decode_body(description, heap))

@@ -321,3 +321,28 @@ def test_large_arrays_both_ways_after_a_timed_out_call_do_not_block_the_connecti
     np.testing.assert_array_equal(back, big * 3.0)
     for other in others:
         np.testing.assert_array_equal(other, big * 2.0)
+
+
+def test_shutdown_returns_within_its_timeout_when_a_peer_never_shuts_down():
+    store = c.HashStore()
+    took = {}
+
+    def body(rank):
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, store=store, timeout=20)
+        if rank == 0:
+            start = time.monotonic()
+            rpc.shutdown(timeout=0.5)
+            took[0] = time.monotonic() - start
+        else:
+            time.sleep(1.5)  # still working when w0 leaves
+            start = time.monotonic()
+            rpc.shutdown(timeout=10)
+            took[1] = time.monotonic() - start
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert took[0] < 1.2
+    assert took[1] < 2.0  # w0 is gone: nobody left to wait for
