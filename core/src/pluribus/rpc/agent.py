@@ -1,11 +1,9 @@
-"""A worker's RPC agent: its listener, its connections, the calls it makes and serves.
+"""A worker's RPC agent: who the workers are, the calls it makes, its references, leaving.
 
 Each worker listens on one port (published in the job's store with its name) and opens one
-connection to each peer it calls, on first use. On a connection the caller sends requests and
-notes (reference releases) and reads replies on a reader thread; the callee reads them on a
-thread of its own per connection, answers reference bookkeeping there at once, and runs handlers
-on the bounded pool. A connection that ends without a goodbye means its peer died: every call
-pending on it fails at once with an error naming the worker, and so does every later call.
+connection to each peer it calls, on first use (``channel.Channel``); each peer that calls it
+gets a ``server.ServerConnection``. The agent holds both kinds, encodes and decodes values with
+their RRefs' counts, times out calls, and runs the graceful shutdown.
 """
 
 from __future__ import annotations
@@ -16,26 +14,21 @@ import itertools
 import json
 import math
 import queue
-import select
 import socket
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DistTimeoutError, PeerError, PluribusError
-from . import registry, wire
-from .errors import RemoteError
+from . import wire
+from .channel import Channel
+from .errors import LEFT, RemoteError
 from .futures import Future
-from .pool import HandlerPool, current_pool, waiting
+from .pool import HandlerPool
 from .rref import OwnerTable, RRef
+from .server import INLINE_LIMIT, ServerConnection
 from .transport import Listener, connect
-
-#: A handler run on a connection's reading thread longer than this (seconds) hands reading on.
-INLINE_LIMIT = 0.02
-_DIED = "died (its connection closed without a goodbye: the process exited or was killed)"
-_LEFT = "shut down"
 
 
 @dataclass(frozen=True)
@@ -44,288 +37,6 @@ class WorkerInfo:
 
     name: str
     id: int
-
-
-class _Channel:
-    """This worker's connection to one peer's server: requests and notes out, replies in.
-
-    Whoever waits reads: a thread waiting in ``rpc_sync`` reads the replies itself (and hands
-    on the others' replies it meets), so a small call costs no hand-over between threads. The
-    channel's own reader thread reads only for calls nobody is reading for (``rpc_async``, or
-    callers left waiting when a reader's reply came first).
-    """
-
-    def __init__(self, agent: Agent, peer: WorkerInfo, sock: socket.socket):
-        self.agent = agent
-        self.peer = peer
-        self.sock = sock
-        self.lock = threading.Lock()  # sending
-        self.pending: dict[int, Future] = {}
-        self.broken: str | None = None
-        self._said_bye = False
-        self._reader = wire.FrameReader(sock, agent.max_message)
-        self._role = threading.Lock()  # reading
-        self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
-        self._requests_sent = 0  # written under ``lock``
-        self._replies_read = 0  # written by the thread holding ``_role``
-        self._wanted = threading.Condition()
-        self._reader_wanted = False
-        threading.Thread(
-            target=self._read_for_others, name=f"{agent.thread_prefix}-to-{peer.name}", daemon=True
-        ).start()
-
-    def send(self, kind: int, call_id: int, body, future: Future | None = None) -> None:
-        """Write a frame; with ``future``, a request whose reply it receives. The channel's
-        reader thread is woken for it unless the caller reads itself (``wait``)."""
-        description, pieces = body
-        if self.owed() and sum(p.nbytes for p in pieces) > 65536:
-            # someone must read replies while this thread may block sending: a peer blocked
-            # sending a large reply is not reading this request
-            self.want_reader()
-        with self.lock:
-            if self.broken is not None:
-                raise self.agent.gone_error(self.peer, self.broken)
-            if future is not None:
-                self.pending[call_id] = future
-            try:
-                wire.send_frame(self.sock, kind, call_id, description, pieces)
-                if kind == wire.REQUEST:
-                    self._requests_sent += 1
-            except OSError as exc:
-                self.pending.pop(call_id, None)
-                self.broken = _DIED
-                raise self.agent.gone_error(self.peer, f"{_DIED}: {exc}") from None
-
-    def owed(self) -> int:
-        """Replies the peer still owes, including those of calls that timed out here."""
-        return max(0, self._requests_sent - self._replies_read)
-
-    def want_reader(self) -> None:
-        with self._wanted:
-            self._reader_wanted = True
-            self._wanted.notify()
-
-    def wait(self, future: Future, deadline: float) -> bool:
-        """Read until ``future`` is done or ``deadline`` passes; False on the deadline."""
-        if current_pool() is None:
-            return self._wait(future, deadline)
-        with waiting():  # a handler waiting: its pool may run another meanwhile
-            return self._wait(future, deadline)
-
-    def _wait(self, future: Future, deadline: float) -> bool:
-        while not future.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if not self._role.acquire(blocking=False):
-                try:  # another thread reads, and will hand the reply on
-                    future.exception(min(left, 0.05))
-                except concurrent.futures.TimeoutError:
-                    pass
-                continue
-            try:
-                while not future.done() and self.broken is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    if not self._reader.buffered() and not self._poll.poll(left * 1000):
-                        continue
-                    self._read_one()
-            finally:
-                self._role.release()
-                if self.owed():
-                    self.want_reader()
-        return True
-
-    def _read_for_others(self) -> None:
-        while self.broken is None:
-            with self._wanted:
-                while not self._reader_wanted and self.broken is None:
-                    self._wanted.wait()
-                self._reader_wanted = False
-            while self.owed() and self.broken is None:
-                with self._role:
-                    if self.owed() and self.broken is None:
-                        self._read_one()
-
-    def _read_one(self) -> None:
-        """Read one frame and hand its reply to its future; close the channel at its end."""
-        try:
-            frame = self._reader.read()
-            if frame is None:
-                self.close(_LEFT if self._said_bye else _DIED)
-                return
-            kind, call_id, description, heap = frame
-            if kind == wire.BYE:
-                self._said_bye = True
-                return
-            if kind != wire.REPLY:
-                raise wire.FrameError(f"a frame of kind {kind} where replies come")
-            self._replies_read += 1
-        except (OSError, ValueError) as exc:
-            self.close(_LEFT if self._said_bye else f"{_DIED}: {exc}")
-            return
-        future = self.pending.pop(call_id, None)
-        if future is None:  # timed out meanwhile
-            return
-        try:
-            reply = self.agent.decode(description, heap, self.peer.id, request=False)
-        except Exception as exc:
-            future.set_exception(
-                PluribusError(f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}")
-            )
-            return
-        self.agent.deliver(future, reply, self.peer)
-
-    def close(self, reason: str) -> None:
-        with self.lock:
-            if self.broken is None:
-                self.broken = reason
-            pending, self.pending = self.pending, {}
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        with self._wanted:
-            self._wanted.notify_all()
-        self.agent.peer_gone(self.peer.id, self.broken)
-        error = self.agent.gone_error(self.peer, self.broken, pending=True)
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
-
-
-class _ServerConnection:
-    """One peer's connection to this worker's server: requests and notes in, replies out."""
-
-    def __init__(self, agent: Agent, sock: socket.socket, peer: int):
-        self.agent = agent
-        self.sock = sock
-        self.peer = peer
-        self.lock = threading.Lock()
-        self.closed = False
-        self.name = agent.workers[peer].name if peer < len(agent.workers) else str(peer)
-        self._reader = wire.FrameReader(sock, agent.max_message)
-        self._role = threading.Lock()
-        self._readers = itertools.count()
-        self._reading = next(self._readers)  # which thread reads now
-
-    def start(self, token: int = 0) -> None:
-        """Start reading (one thread at a time reads; see ``run_inline``)."""
-        threading.Thread(
-            target=self._serve,
-            args=(token,),
-            name=f"{self.agent.thread_prefix}-from-{self.name}",
-            daemon=True,
-        ).start()
-
-    def run_inline(self, job, token: int) -> bool:
-        """Run a handler on the reading thread ``token``, saving the hand-over to a pool thread
-        (the round trip of a small call). Reading goes on in another thread if the handler
-        waits for a call or outlives ``INLINE_LIMIT``. False when the pool is full."""
-        run = (self, token)
-        self.agent.inline[run] = time.monotonic()
-        try:
-            return self.agent.pool.run_here(job, lambda: self.hand_over(token))
-        finally:
-            self.agent.inline.pop(run, None)
-
-    def hand_over(self, token: int) -> None:
-        """If thread ``token`` still reads this connection, let a new thread read instead."""
-        with self._role:
-            if self._reading != token:
-                return
-            self._reading = next(self._readers)
-            successor = self._reading
-        self.start(successor)
-
-    def _still_reader(self, token: int) -> bool:
-        with self._role:
-            return self._reading == token
-
-    def _serve(self, token: int) -> None:
-        if self.agent.bind_thread is not None:
-            self.agent.bind_thread(self.agent)
-        said_bye = False
-        reader = self._reader
-        try:
-            while True:
-                try:
-                    frame = reader.read()
-                except wire.FrameError as exc:
-                    # the stream cannot be followed past a bad header: say why, then hang up
-                    self.reply_error(0, exc)
-                    break
-                if frame is None:
-                    break
-                kind, call_id, description, heap = frame
-                if kind == wire.BYE:
-                    said_bye = True
-                    continue
-                try:
-                    body = self.agent.decode(description, heap, self.peer, request=True)
-                except Exception as exc:
-                    if kind == wire.REQUEST:
-                        self.reply_error(call_id, exc)
-                    continue
-                if kind == wire.REQUEST:
-                    self.agent.serve(self, call_id, body, token)
-                    if not self._still_reader(token):
-                        return  # another thread reads on; this one ran a handler
-                elif kind == wire.NOTE:
-                    self.agent.note(body)
-        except OSError:
-            pass
-        self.close()
-        if not said_bye:
-            self.agent.peer_gone(self.peer, _DIED)
-
-    def reply(self, call_id: int, value: Any) -> None:
-        try:
-            body = self.agent.encode(
-                {"ok": value}, self.peer, request=False, who=self.agent.who, root="the reply"
-            )
-        except Exception as exc:
-            self.reply_error(call_id, exc)
-            return
-        self._send(wire.REPLY, call_id, body)
-
-    def reply_error(self, call_id: int, exc: BaseException) -> None:
-        trace = "".join(traceback.format_exception(exc)) if exc.__traceback__ else ""
-        self.reply_remote_error(call_id, (type(exc).__qualname__, str(exc), trace))
-
-    def reply_remote_error(self, call_id: int, error: tuple[str, str, str]) -> None:
-        body = wire.encode_body({"error": list(error)}, self.agent.who)
-        self._send(wire.REPLY, call_id, body)
-
-    def _send(self, kind: int, call_id: int, body) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            try:
-                wire.send_frame(self.sock, kind, call_id, *body)
-            except OSError:
-                pass  # the caller is gone; its own side reports that
-
-    def close(self, bye: bool = False) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            if bye:
-                try:
-                    self.sock.settimeout(1.0)
-                    wire.send_frame(self.sock, wire.BYE, 0)
-                except OSError:
-                    pass
-            self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self.agent.forget_connection(self)
 
 
 class Agent:
@@ -363,14 +74,14 @@ class Agent:
         self._rref_ids = itertools.count(1)
         self._state = "running"
         self._lock = threading.Lock()
-        self._channels: dict[int, _Channel] = {}
+        self._channels: dict[int, Channel] = {}
         self._connecting: dict[int, threading.Lock] = {}
         self._gone: dict[int, str] = {}
-        self._connections: set[_ServerConnection] = set()
+        self._connections: set[ServerConnection] = set()
         self._deadlines: list[tuple] = []  # (deadline, call id, seconds, future, channel, ...)
         self._deadline_cond = threading.Condition()
         self._releases: queue.SimpleQueue = queue.SimpleQueue()
-        self.inline: dict[tuple[_ServerConnection, int], float] = {}  # run -> since
+        self.inline: dict[tuple[ServerConnection, int], float] = {}  # run -> since
         self.owns_store = False
         self.bind_thread = bind_thread  # makes this the agent of a thread that runs handlers
         self.pool = HandlerPool(
@@ -461,7 +172,7 @@ class Agent:
         what = "with this call pending" if pending else ""
         return PeerError(
             f"{self.who}: worker {peer.name!r} (rank {peer.id}) {reason} {what}".rstrip()
-            + ("" if reason.startswith(_LEFT) else "; its calls cannot complete"),
+            + ("" if reason.startswith(LEFT) else "; its calls cannot complete"),
             peer=peer.id,
         )
 
@@ -470,7 +181,7 @@ class Agent:
             if reason is not None and rank not in self._gone and rank != self.rank:
                 self._gone[rank] = reason
 
-    def _channel(self, peer: WorkerInfo, timeout: float) -> _Channel:
+    def _channel(self, peer: WorkerInfo, timeout: float) -> Channel:
         channel = self._channels.get(peer.id)
         if channel is not None and channel.broken is None:
             return channel
@@ -492,10 +203,10 @@ class Agent:
                     f"died or shut down ({exc})",
                     peer=peer.id,
                 ) from None
-            channel = _Channel(self, peer, sock)
+            channel = Channel(self, peer, sock)
             self._channels[peer.id] = channel
             if self._state == "closed":
-                channel.close(_LEFT)
+                channel.close(LEFT)
                 self.check_running("a call")
             return channel
 
@@ -712,122 +423,14 @@ class Agent:
         if self._state == "closed":
             sock.close()
             return
-        connection = _ServerConnection(self, sock, peer)
+        connection = ServerConnection(self, sock, peer)
         with self._lock:
             self._connections.add(connection)
         connection.start()
 
-    def forget_connection(self, connection: _ServerConnection) -> None:
+    def forget_connection(self, connection: ServerConnection) -> None:
         with self._lock:
             self._connections.discard(connection)
-
-    def note(self, body: Any) -> None:
-        if (
-            isinstance(body, dict)
-            and body.get("op") == "decref"
-            and isinstance(body.get("rref"), str)
-        ):
-            self.table.decref(body["rref"])
-
-    def serve(
-        self, connection: _ServerConnection, call_id: int, request: Any, token: int | None = None
-    ) -> None:
-        """One request, read on ``connection``'s thread: bookkeeping at once, handlers on the
-        pool."""
-        try:
-            if not isinstance(request, dict):
-                raise ValueError("a request that is not a dict")
-            op = request.get("op")
-            timeout = request.get("timeout")
-            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-                raise ValueError("a request without a timeout")
-            expires = time.monotonic() + float(timeout)
-            if op == "incref":
-                self.table.incref(_text(request, "rref"))
-                connection.reply(call_id, None)
-            elif op == "call":
-                target = registry.resolve(_text(request, "fn"))
-                args, kwargs = _arguments(request)
-                self._submit(connection, call_id, expires, lambda: target(*args, **kwargs), token)
-            elif op == "remote":
-                target = registry.resolve(_text(request, "fn"))
-                args, kwargs = _arguments(request)
-                rid = _text(request, "rref")
-                if connection.peer != self.rank:
-                    self.table.create(rid)
-                self._submit_into(
-                    connection, call_id, expires, rid, lambda: target(*args, **kwargs)
-                )
-            elif op == "method":
-                rid, method = _text(request, "rref"), _text(request, "method")
-                args, kwargs = _arguments(request)
-                into = request.get("into")
-                if into is not None and connection.peer != self.rank:
-                    self.table.create(_text(request, "into"))
-
-                def when_ready(entry):
-                    def run():
-                        if entry.error is not None:
-                            raise _Reraised(entry.error)
-                        return registry.method_of(entry.value, method)(*args, **kwargs)
-
-                    if into is None:
-                        self._submit(connection, call_id, expires, run)
-                    else:
-                        self._submit_into(connection, call_id, expires, into, run)
-
-                self.table.when_ready(rid, when_ready)
-            elif op == "fetch":
-                rid = _text(request, "rref")
-
-                def send_value(entry):
-                    def run():
-                        if entry.error is not None:
-                            raise _Reraised(entry.error)
-                        return entry.value
-
-                    self._submit(connection, call_id, expires, run)
-
-                self.table.when_ready(rid, send_value)
-            else:
-                raise ValueError(f"unknown request {str(op)[:40]!r}")
-        except Exception as exc:
-            connection.reply_error(call_id, exc)
-
-    def _submit(self, connection, call_id: int, expires: float, run, token=None) -> None:
-        """Run a handler: on the reading thread ``token`` when given and the pool has room,
-        else on the pool."""
-
-        def job() -> None:
-            if time.monotonic() > expires:
-                connection.reply_error(call_id, TimeoutError("the call expired in the queue"))
-                return
-            try:
-                result = run()
-            except _Reraised as exc:
-                connection.reply_remote_error(call_id, exc.error)
-                return
-            except BaseException as exc:
-                connection.reply_error(call_id, exc)
-                return
-            connection.reply(call_id, result)
-
-        if token is None or not connection.run_inline(job, token):
-            self.pool.submit(job)
-
-    def _submit_into(self, connection, call_id: int, expires: float, rid: str, run) -> None:
-        def make():
-            try:
-                value = run()
-            except _Reraised as exc:
-                self.table.fulfil(rid, exc=PluribusError(exc.error[1]))
-                raise
-            except BaseException as exc:
-                self.table.fulfil(rid, exc=exc)
-                raise
-            self.table.fulfil(rid, value)
-
-        self._submit(connection, call_id, expires, make)
 
     # -- leaving -------------------------------------------------------------------------------
 
@@ -885,7 +488,7 @@ class Agent:
                     wire.send_frame(channel.sock, wire.BYE, 0)
                 except OSError:
                     pass
-            channel.close(_LEFT)
+            channel.close(LEFT)
         with self._deadline_cond:
             self._deadline_cond.notify_all()
         self._releases.put(None)
@@ -902,28 +505,3 @@ class _Body(tuple):
         body = super().__new__(cls, (description, pieces))
         body.counted = counted
         return body
-
-
-class _Reraised(Exception):
-    """An error kept from making an RRef's value, to be sent on as it was."""
-
-    def __init__(self, error: tuple[str, str, str]):
-        super().__init__(error[1])
-        self.error = error
-
-
-def _text(request: dict, key: str) -> str:
-    value = request.get(key)
-    if not isinstance(value, str) or not value or len(value) > 512:
-        raise ValueError(f"a request whose {key!r} is not a name")
-    return value
-
-
-def _arguments(request: dict) -> tuple[tuple, dict]:
-    args = request.get("args", ())
-    kwargs = request.get("kwargs", {})
-    if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
-        raise ValueError("a request whose arguments are not a tuple and a dict")
-    if not all(isinstance(k, str) for k in kwargs):
-        raise ValueError("keyword argument names must be strings")
-    return tuple(args), kwargs

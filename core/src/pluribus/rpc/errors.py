@@ -18,3 +18,8 @@ class RemoteError(PluribusError):
         if remote_traceback:
             text += f"\n--- remote traceback (worker {worker!r}) ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
+
+
+#: Why a peer's connection ended, as error messages say it.
+DIED = "died (its connection closed without a goodbye: the process exited or was killed)"
+LEFT = "shut down"

@@ -1,0 +1,170 @@
+"""This worker's side of a connection to a peer it calls: requests and notes out, replies in."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import select
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import PluribusError
+from . import wire
+from .errors import DIED, LEFT
+from .futures import Future
+from .pool import current_pool, waiting
+
+if TYPE_CHECKING:
+    from .agent import Agent, WorkerInfo
+
+
+class Channel:
+    """This worker's connection to one peer's server: requests and notes out, replies in.
+
+    Whoever waits reads: a thread waiting in ``rpc_sync`` reads the replies itself (and hands
+    on the others' replies it meets), so a small call costs no hand-over between threads. The
+    channel's own reader thread reads only for calls nobody is reading for (``rpc_async``, or
+    callers left waiting when a reader's reply came first).
+    """
+
+    def __init__(self, agent: Agent, peer: WorkerInfo, sock: socket.socket):
+        self.agent = agent
+        self.peer = peer
+        self.sock = sock
+        self.lock = threading.Lock()  # sending
+        self.pending: dict[int, Future] = {}
+        self.broken: str | None = None
+        self._said_bye = False
+        self._reader = wire.FrameReader(sock, agent.max_message)
+        self._role = threading.Lock()  # reading
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._requests_sent = 0  # written under ``lock``
+        self._replies_read = 0  # written by the thread holding ``_role``
+        self._wanted = threading.Condition()
+        self._reader_wanted = False
+        threading.Thread(
+            target=self._read_for_others, name=f"{agent.thread_prefix}-to-{peer.name}", daemon=True
+        ).start()
+
+    def send(self, kind: int, call_id: int, body, future: Future | None = None) -> None:
+        """Write a frame; with ``future``, a request whose reply it receives. The channel's
+        reader thread is woken for it unless the caller reads itself (``wait``)."""
+        description, pieces = body
+        if self.owed() and sum(p.nbytes for p in pieces) > 65536:
+            # someone must read replies while this thread may block sending: a peer blocked
+            # sending a large reply is not reading this request
+            self.want_reader()
+        with self.lock:
+            if self.broken is not None:
+                raise self.agent.gone_error(self.peer, self.broken)
+            if future is not None:
+                self.pending[call_id] = future
+            try:
+                wire.send_frame(self.sock, kind, call_id, description, pieces)
+                if kind == wire.REQUEST:
+                    self._requests_sent += 1
+            except OSError as exc:
+                self.pending.pop(call_id, None)
+                self.broken = DIED
+                raise self.agent.gone_error(self.peer, f"{DIED}: {exc}") from None
+
+    def owed(self) -> int:
+        """Replies the peer still owes, including those of calls that timed out here."""
+        return max(0, self._requests_sent - self._replies_read)
+
+    def want_reader(self) -> None:
+        with self._wanted:
+            self._reader_wanted = True
+            self._wanted.notify()
+
+    def wait(self, future: Future, deadline: float) -> bool:
+        """Read until ``future`` is done or ``deadline`` passes; False on the deadline."""
+        if current_pool() is None:
+            return self._wait(future, deadline)
+        with waiting():  # a handler waiting: its pool may run another meanwhile
+            return self._wait(future, deadline)
+
+    def _wait(self, future: Future, deadline: float) -> bool:
+        while not future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if not self._role.acquire(blocking=False):
+                try:  # another thread reads, and will hand the reply on
+                    future.exception(min(left, 0.05))
+                except concurrent.futures.TimeoutError:
+                    pass
+                continue
+            try:
+                while not future.done() and self.broken is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    if not self._reader.buffered() and not self._poll.poll(left * 1000):
+                        continue
+                    self._read_one()
+            finally:
+                self._role.release()
+                if self.owed():
+                    self.want_reader()
+        return True
+
+    def _read_for_others(self) -> None:
+        while self.broken is None:
+            with self._wanted:
+                while not self._reader_wanted and self.broken is None:
+                    self._wanted.wait()
+                self._reader_wanted = False
+            while self.owed() and self.broken is None:
+                with self._role:
+                    if self.owed() and self.broken is None:
+                        self._read_one()
+
+    def _read_one(self) -> None:
+        """Read one frame and hand its reply to its future; close the channel at its end."""
+        try:
+            frame = self._reader.read()
+            if frame is None:
+                self.close(LEFT if self._said_bye else DIED)
+                return
+            kind, call_id, description, heap = frame
+            if kind == wire.BYE:
+                self._said_bye = True
+                return
+            if kind != wire.REPLY:
+                raise wire.FrameError(f"a frame of kind {kind} where replies come")
+            self._replies_read += 1
+        except (OSError, ValueError) as exc:
+            self.close(LEFT if self._said_bye else f"{DIED}: {exc}")
+            return
+        future = self.pending.pop(call_id, None)
+        if future is None:  # timed out meanwhile
+            return
+        try:
+            reply = self.agent.decode(description, heap, self.peer.id, request=False)
+        except Exception as exc:
+            future.set_exception(
+                PluribusError(f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}")
+            )
+            return
+        self.agent.deliver(future, reply, self.peer)
+
+    def close(self, reason: str) -> None:
+        with self.lock:
+            if self.broken is None:
+                self.broken = reason
+            pending, self.pending = self.pending, {}
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self._wanted:
+            self._wanted.notify_all()
+        self.agent.peer_gone(self.peer.id, self.broken)
+        error = self.agent.gone_error(self.peer, self.broken, pending=True)
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
