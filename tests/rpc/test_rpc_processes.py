@@ -45,6 +45,9 @@ def _api(rank, conn):
     relayed = rpc.rpc_sync("w2", c.relay, args=(["w1", "w0"], "x"))
     rpc.rpc_sync("w2", c.drop_kept)
     freed = rpc.rpc_sync("w1", c.owned_count, args=(counter.id,))
+    with rpc.remote("w2", c.array_example) as made:
+        fetched = bool(np.array_equal(made.to_here(), c.array_example()))
+    info = rpc.get_worker_info("w2")
     try:
         rpc.rpc_sync("w1", c.fail, args=("k",))
         remote_error = None
@@ -57,6 +60,8 @@ def _api(rank, conn):
         "freed": freed,
         "relayed": relayed,
         "remote_error": remote_error,
+        "fetched": fetched,
+        "info": (info.name, info.id),
     }
 
 
@@ -132,6 +137,8 @@ def test_every_api_across_processes_with_an_rref_passed_between_three_workers():
         "freed": 0,
         "relayed": ["w2", "w1", "w0", "x"],
         "remote_error": ("w1", "KeyError", True),
+        "fetched": True,
+        "info": ("w2", 2),
     }
     assert shutdown_seconds < 5
 
