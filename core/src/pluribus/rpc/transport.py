@@ -107,12 +107,17 @@ class Listener:
         try:
             while not self._closed:
                 for key, _ in self._selector.select(timeout=0.5):
-                    if key.data is None:
-                        self._accept()
-                    elif key.data == "wake":
+                    if key.data == "wake":
                         break
-                    else:
-                        self._read(key.data)
+                    try:
+                        if key.data is None:
+                            self._accept()
+                        else:
+                            self._read(key.data)
+                    except Exception as exc:  # one connection's trouble must not stop the rest
+                        log.warning("%s: an RPC connection failed to open: %s", self.who, exc)
+                        if isinstance(key.data, _Pending):
+                            self._drop(key.data)
                 self._expire()
         finally:
             for pending in list(self._pending.values()):
