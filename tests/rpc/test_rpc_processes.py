@@ -1,9 +1,10 @@
 """The RPC API between real processes: rendezvous through a TCPStore, every call across process
-boundaries, an RRef passed around three workers, a SIGKILLed worker, and a job started by
-pluribus-run (env:// and the job's secret)."""
+boundaries, an RRef passed around three workers, a SIGKILLed worker, and jobs started by
+pluribus-run (env:// and the job's secret) and by mpiexec (the mpi plugin's rendezvous)."""
 
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 import traceback
 
 import numpy as np
+import pluribus
 import pytest
 import rpc_cases as c
 from pluribus import PeerError, TCPStore, rpc
@@ -191,3 +193,50 @@ def test_a_job_started_by_pluribus_run_uses_its_rendezvous_and_secret(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sum 42" in out.stdout
+
+
+def test_a_job_started_by_mpiexec_finds_its_workers_through_mpi(tmp_path):
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None or not pluribus.is_available("mpi"):
+        pytest.skip("needs mpiexec and the mpi plugin (pip install 'pluribus[mpi]' mpich)")
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            import rpc_cases as c
+            from pluribus import rpc
+            from pluribus_mpi.env import launcher_rank_size
+
+            rank, _ = launcher_rank_size()
+            me = rpc.init_rpc(f"m{{rank}}")  # rank, world size and store from MPI
+            assert me.id == rank
+            if rank == 0:
+                print("sum", rpc.rpc_sync("m1", c.add, args=(40, 2)), flush=True)
+            rpc.shutdown()
+            """
+        )
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PLURIBUS_")
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.Popen(
+        [mpiexec, "-n", "2", sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"mpiexec did not finish:\n{out}") from None
+    assert proc.returncode == 0, out
+    assert "sum 42" in out
