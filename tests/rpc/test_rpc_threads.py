@@ -27,6 +27,11 @@ def test_sync_async_and_addressing_by_name_rank_and_info():
         out.append(rpc.rpc_sync("w1", c.echo, args=(1, "x"), kwargs={"k": [None, True, 2.5]}))
         out.append(rpc.rpc_sync("w0", c.whoami))  # a call to oneself works too
         out.append(rpc.rpc_async("w1", c.add, args=(1, 1)).then(lambda f: f.value() * 10).wait())
+        # a callback may itself call a worker (it runs off the connection's reading role)
+        chained = rpc.rpc_async("w1", c.add, args=(1, 1)).then(
+            lambda f: rpc.rpc_sync("w1", c.add, args=(f.value(), 100), timeout=5)
+        )
+        out.append(chained.wait(10))
         return out
 
     out = run_threads(2, main)[0]
@@ -39,6 +44,7 @@ def test_sync_async_and_addressing_by_name_rank_and_info():
     assert out[4] == ((1, "x"), {"k": [None, True, 2.5]})
     assert out[5] == "w0"
     assert out[6] == 20
+    assert out[7] == 102
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "uint16", "complex64", "bool"])

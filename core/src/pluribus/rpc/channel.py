@@ -97,59 +97,74 @@ class Channel:
                 except concurrent.futures.TimeoutError:
                     pass
                 continue
+            outcome = None
             try:
-                while not future.done() and self.broken is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    if not self._reader.buffered() and not self._poll.poll(left * 1000):
-                        continue
-                    self._read_one()
+                if self.broken is None and (
+                    self._reader.buffered() or self._poll.poll(left * 1000)
+                ):
+                    outcome = self._read_one()
             finally:
                 self._role.release()
-                if self.owed():
-                    self.want_reader()
+            self._settle(outcome)
+            if self.broken is not None and not future.done():  # close() is failing it
+                try:
+                    future.exception(min(left, 0.05))
+                except concurrent.futures.TimeoutError:
+                    pass
+        if self.owed():
+            self.want_reader()  # replies others wait for, or that are owed still
         return True
 
     def _read_for_others(self) -> None:
+        if self.agent.bind_thread is not None:  # futures' callbacks may call other workers
+            self.agent.bind_thread(self.agent)
         while self.broken is None:
             with self._wanted:
                 while not self._reader_wanted and self.broken is None:
                     self._wanted.wait()
                 self._reader_wanted = False
             while self.owed() and self.broken is None:
+                outcome = None
                 with self._role:
                     if self.owed() and self.broken is None:
-                        self._read_one()
+                        outcome = self._read_one()
+                self._settle(outcome)
 
-    def _read_one(self) -> None:
-        """Read one frame and hand its reply to its future; close the channel at its end."""
+    def _read_one(self):
+        """Read one frame, holding the reading role; what to do with it (``_settle``) is done
+        after the role is released, so that a future's callbacks never run while holding it."""
         try:
             frame = self._reader.read()
             if frame is None:
-                self.close(LEFT if self._said_bye else DIED)
-                return
+                return ("close", LEFT if self._said_bye else DIED)
             kind, call_id, description, heap = frame
             if kind == wire.BYE:
                 self._said_bye = True
-                return
+                return None
             if kind != wire.REPLY:
                 raise wire.FrameError(f"a frame of kind {kind} where replies come")
             self._replies_read += 1
         except (OSError, ValueError) as exc:
-            self.close(LEFT if self._said_bye else f"{DIED}: {exc}")
-            return
+            return ("close", LEFT if self._said_bye else f"{DIED}: {exc}")
         future = self.pending.pop(call_id, None)
         if future is None:  # timed out meanwhile
-            return
+            return None
         try:
             reply = self.agent.decode(description, heap, self.peer.id, request=False)
         except Exception as exc:
-            future.set_exception(
-                PluribusError(f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}")
-            )
+            error = PluribusError(f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}")
+            return ("failed", future, error)
+        return ("reply", future, reply)
+
+    def _settle(self, outcome) -> None:
+        if outcome is None:
             return
-        self.agent.deliver(future, reply, self.peer)
+        if outcome[0] == "close":
+            self.close(outcome[1])
+        elif outcome[0] == "failed":
+            outcome[1].set_exception(outcome[2])
+        else:
+            self.agent.deliver(outcome[1], outcome[2], self.peer)
 
     def close(self, reason: str) -> None:
         with self.lock:
