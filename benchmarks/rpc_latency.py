@@ -91,12 +91,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="small calls per block")
     parser.add_argument("--transfers", type=int, default=20, help="16 MiB transfers per block")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed.rpc out")
     args = parser.parse_args()
 
     pb.init_process_group("gloo")
     rank = pb.get_rank()
     rpc.init_rpc(f"w{rank}", timeout=120)  # the default group's store
     try:
+        if args.no_torch:
+            raise ImportError("left out")
         import torch
         import torch.distributed.rpc as torch_rpc
     except ImportError:
