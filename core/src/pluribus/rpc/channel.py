@@ -49,8 +49,8 @@ class Channel:
         ).start()
 
     def send(self, kind: int, call_id: int, body, future: Future | None = None) -> None:
-        """Write a frame; with ``future``, a request whose reply it receives. The channel's
-        reader thread is woken for it unless the caller reads itself (``wait``)."""
+        """Write a frame; with ``future``, a request whose reply will settle it (read by the
+        caller in ``wait``, or by the channel's thread after ``want_reader``)."""
         description, pieces = body
         if self.owed() and sum(p.nbytes for p in pieces) > 65536:
             # someone must read replies while this thread may block sending: a peer blocked
