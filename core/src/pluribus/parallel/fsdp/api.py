@@ -123,16 +123,22 @@ def _post_backward(module: Module, grad_input: tuple, grad_output: tuple) -> Non
     state, unit = _state(module), module._fsdp_unit
     unit.reshard()
     if state.requires_sync and not unit.rules.keeps_full_gradients:
+        # the previous unit's reduction had this unit's backward to finish in: collect it, so
+        # that one packed gradient buffer at most is in flight
+        for pending in state.reductions:
+            pending.finish_reduction()
         unit.start_reduction()
-        state.reductions.append(unit)
+        state.reductions = [unit]
     elif not state.requires_sync:
         unit.accumulating = True
     if unit is not state.root_unit or not state.requires_sync:
         return
-    for later in state.units:  # ZeRO-1: every unit's gradients at once, after backward
+    for later in state.units:  # ZeRO-1: every unit's gradients after backward, two in flight
         if later.rules.keeps_full_gradients and later.full_grad_flat is not None:
             later.start_reduction()
             state.reductions.append(later)
+            if len(state.reductions) > 1:
+                state.reductions.pop(0).finish_reduction()
     for pending in state.reductions:
         pending.finish_reduction()
     state.reductions = []
