@@ -52,6 +52,7 @@ class _RootState:
             unit.name, unit.index, unit.root = name or "<root>", len(self.units), self
             self.units.append(unit)
         self.unit_names = {u.index: u.name for u in self.units}
+        _check_same_units(self.units)
         self.root_unit.reshard_after_forward = False
         self.prefetch = prefetch
         self.requires_sync = True
@@ -66,6 +67,37 @@ class _RootState:
         if position < len(order) and order[position - 1] is unit:
             return order[position]
         return None
+
+
+def _check_same_units(units: list[Unit]) -> None:
+    """Every rank of the mesh must shard the same parameters the same way; name the first
+    difference (checked along each mesh dimension, so a mesh over part of the world works)."""
+    mine = [
+        [
+            u.name,
+            u.strategy.value,
+            [[p.name, list(p.shape), str(p.param.data.dtype)] for p in u.pieces],
+        ]
+        for u in units
+    ]
+    mesh = units[0].mesh
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        everyone = dist.all_gather_object(mine, group=group)
+        for local_rank, theirs in enumerate(everyone):
+            if theirs == mine:
+                continue
+            first = next(
+                (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                min(len(theirs), len(mine)),
+            )
+            ours = mine[first] if first < len(mine) else "nothing"
+            other = theirs[first] if first < len(theirs) else "nothing"
+            raise ValueError(
+                f"rank {dist.get_rank()}: FSDP needs the same units on every rank, but unit "
+                f"#{first} is {other} on rank {group.ranks[local_rank]} and {ours} on this "
+                "rank; build and wrap the model the same way everywhere"
+            )
 
 
 def _state(module: Module) -> _RootState:

@@ -24,8 +24,9 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
         )
     infinite = math.isinf(p)
     partial: dict[int, list[Any]] = {}  # per shard group: [group, value]
-    grads = []
+    grads, xp = [], np
     for unit in model.fsdp_units():
+        xp = unit.xp  # where the group's backend takes its arrays
         key = id(unit.group) if unit.n > 1 else 0
         entry = partial.setdefault(key, [unit.group if unit.n > 1 else None, 0.0])
         for piece in unit.pieces:
@@ -41,11 +42,7 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
     total = 0.0
     for group, value in partial.values():
         if group is not None:
-            buf = np.asarray([value], dtype=np.float64)
-            if grads and type(grads[0]).__module__.startswith("cupy"):
-                import cupy
-
-                buf = cupy.asarray(buf)
+            buf = xp.asarray([value], dtype=np.float64)
             op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
             dist.all_reduce(buf, op=op, group=group)
             value = float(buf[0])
