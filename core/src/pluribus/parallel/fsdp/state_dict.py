@@ -66,6 +66,8 @@ def _local_rows(unit: Any, i: int, value: Any, what: str) -> Any:
 def load_sharded_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
     """Load DTensors (any layout: others are gathered first) or whole arrays into the shards."""
     index = _index(model)
+    for unit in model.fsdp_units():  # gathered parameters would go stale
+        unit.reshard()
     names = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     if strict:
