@@ -13,7 +13,7 @@ import pluribus
 import pytest
 from pluribus import nn
 from pluribus.device_mesh import init_device_mesh
-from pluribus.parallel import fully_shard
+from pluribus.parallel import MixedPrecisionPolicy, fully_shard
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,13 +34,14 @@ def formula(strategy: str, n: int) -> float:
     }[strategy]
 
 
-def ledger_on_rank(strategy: str) -> list:
+def ledger_on_rank(strategy: str, mp: bool = False) -> list:
     world = pluribus.get_world_size()
+    policy = MixedPrecisionPolicy(param_dtype=np.float16) if mp else None
     mesh = init_device_mesh("cpu", (2, world // 2)) if strategy == "hybrid_shard" else None
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, rng=i) for i in range(UNITS)])
     for layer in model:
-        fully_shard(layer, mesh=mesh, strategy=strategy)
-    fully_shard(model, mesh=mesh, strategy=strategy)
+        fully_shard(layer, mesh=mesh, strategy=strategy, mp_policy=policy)
+    fully_shard(model, mesh=mesh, strategy=strategy, mp_policy=policy)
     opt = nn.AdamW(model.parameters())
     out = []
     for _ in range(3):
@@ -81,3 +82,36 @@ def test_full_shard_is_under_a_third_of_no_shard_at_four_ranks():
     sharded = run_ranks(ledger_on_rank, 4, "threads", args=("full_shard",))[0][-1][0]
     replicated = run_ranks(ledger_on_rank, 4, "threads", args=("no_shard",))[0][-1][0]
     assert sharded / replicated <= 0.30
+
+
+def mixed_precision_formula(strategy: str, n: int) -> float:
+    """float16 parameters gathered and kept, float32 master weights, gradient shards and Adam
+    moments. Against ZeRO's mixed-precision accounting (16Psi, 4Psi + 12Psi/N,
+    2Psi + 14Psi/N, 16Psi/N) the gradients the optimizer reads are float32 here (Adam squares
+    them: float16 squares of small gradients underflow), which adds 4Psi/N to ZeRO-1 (its
+    float16 full gradients cannot be the shards), 2Psi/N to ZeRO-2 and 2Psi to NO_SHARD, and
+    ZeRO-3 keeps no float16 copy of its shards, which makes it equal."""
+    return {
+        "no_shard": 18 * PSI,
+        "shard_optimizer_state": 4 * PSI + 16 * PSI / n,
+        "shard_grad_op": 2 * PSI + 16 * PSI / n,
+        "full_shard": 16 * PSI / n,
+    }[strategy]
+
+
+@pytest.mark.parametrize(
+    "strategy", ["full_shard", "shard_grad_op", "shard_optimizer_state", "no_shard"]
+)
+def test_ledger_under_float16_mixed_precision(strategy):
+    world = 4
+    expected = mixed_precision_formula(strategy, world)
+    for rank, steps in enumerate(
+        run_ranks(ledger_on_rank, world, "threads", args=(strategy, True))
+    ):
+        steady, peak, counted, ledger_pg = steps[-1]
+        assert steady == pytest.approx(expected, rel=0.03), f"rank {rank}"
+        # the float16 parameters (and ZeRO-1's float16 full gradients) kept between steps are
+        # FSDP's, out of the model's sight
+        kept = {"full_shard": 0, "shard_optimizer_state": 4 * PSI}.get(strategy, 2 * PSI)
+        assert ledger_pg - counted == kept, f"rank {rank}"
+        assert steady <= peak <= expected * 1.03 + 4 * UNIT_BYTES, f"rank {rank}"

@@ -49,7 +49,8 @@ def test_no_sync_accumulation_equals_the_summed_batch(strategy, world):
 
 
 @pytest.mark.parametrize(
-    "strategy,world", [("full_shard", 2), ("shard_grad_op", 4), ("shard_optimizer_state", 2)]
+    "strategy,world",
+    [("full_shard", 2), ("shard_grad_op", 4), ("shard_optimizer_state", 2), ("no_shard", 2)],
 )
 def test_mixed_precision_float16_stays_close_to_float32_training(strategy, world):
     results = _run("gpt", strategy, world, mp=True)

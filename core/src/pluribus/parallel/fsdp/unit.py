@@ -114,14 +114,18 @@ class Unit:
     # -- storage ----------------------------------------------------------------------------
 
     def _shard_storage(self) -> None:
-        """Move the parameters into their shards: views of the full buffer for the strategies
-        that keep it, of a flat buffer of this rank's rows otherwise."""
+        """Move the parameters into their shards. The strategies that keep the full parameters
+        keep them in the compute dtype; without mixed precision the shards are views of them,
+        with it the float32 shards (the master weights) are a buffer of their own, as
+        FULL_SHARD's always are."""
         xp, me = self.xp, self.me
         self.full_flat = self.shard_flat = None
         if self.rules.keeps_full_parameters:
-            self.full_flat = xp.empty(self.total, self.dtype)
+            self.full_flat = xp.empty(self.total, self.compute_dtype)
             for piece in self.pieces:
                 self._full_view(self.full_flat, piece)[...] = piece.param.data
+        self.shards_in_full = self.full_flat is not None and self.compute_dtype == self.dtype
+        if self.shards_in_full:
             self.shard_views = [
                 self._full_view(self.full_flat, p)[p.starts[me] : p.starts[me] + p.sizes[me]]
                 for p in self.pieces
@@ -230,16 +234,18 @@ class Unit:
         if self.gathered or not self.pieces:
             self.gathered = True
             return
-        in_place = self.full_flat is not None and self.compute_dtype == self.dtype
+        in_place = self.full_flat is not None  # kept, in the compute dtype
         if self.n == 1:
-            target = self.full_flat if in_place else self.full_flat.astype(self.compute_dtype)
+            target = self.full_flat if in_place else self.xp.empty(self.total, self.compute_dtype)
+            if not self.shards_in_full:  # the float32 master copy, cast
+                target[...] = self.xp.asarray(self.shard_flat) if self.offload else self.shard_flat
         else:
             if self._gather is None:
                 self.start_unshard()
             pending, self._gather = self._gather, None
             target = self.full_flat if in_place else self.xp.empty(self.total, self.compute_dtype)
             self.compute_flat = None if in_place else target
-            self._finish_gather(pending, target, skip_own=in_place)
+            self._finish_gather(pending, target, skip_own=self.shards_in_full)
             self.root.ledger.sample(pending)
         self.compute_flat = None if in_place else target
         for piece in self.pieces:
