@@ -247,6 +247,7 @@ def train(args: argparse.Namespace) -> dict:
     held_out = windows(held_tokens, args.eval_windows, block + 1, seed=HELD_OUT_SEED)
     baseline = unigram_loss(train_tokens, held_out[:, 1:])
 
+    described = repr(model)  # before sharding: fsdp leaves each rank its rows only
     runner = DistributedDataParallel(model) if args.parallel == "ddp" else model
     if args.parallel == "fsdp":  # each block a unit, then the root; the model is sharded in place
         runner = FullyShardedDataParallel(model)
@@ -268,7 +269,7 @@ def train(args: argparse.Namespace) -> dict:
         start_epoch = restore_checkpoint(ckpt, model, opt, scheduler)  # lrs come with opt
     if rank == 0:
         print(
-            f"{model!r} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
+            f"{described} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
             f"{args.parallel}; {train_tokens.size:,} training and {held_tokens.size:,} held-out "
             f"characters of {sysconfig.get_paths()['stdlib']}; unigram baseline "
             f"{baseline:.3f} nats/char",
