@@ -135,8 +135,8 @@ def fsdp_train_on_rank(
         "norms": norms,
         "full": model.full_state_dict(),
         "shards": shards,
-        "slices": {
-            name: d.layout.local_slices(d.device_mesh.coordinate)
+        "slices": {  # plain numbers: results may travel through the object collectives
+            name: [[s.start, s.stop] for s in d.layout.local_slices(d.device_mesh.coordinate)]
             for name, d in model.state_dict().items()
         },
     }
@@ -148,7 +148,8 @@ def check_matches_reference(results, reference, rtol=1e-4, atol=1e-5):
             result["losses"], reference["losses"], rtol=rtol, atol=atol, err_msg=f"rank {r}"
         )
         for name, shard in result["shards"].items():
-            expected = reference["state"][name][result["slices"][name]]
+            where = tuple(slice(start, stop) for start, stop in result["slices"][name])
+            expected = reference["state"][name][where]
             np.testing.assert_allclose(
                 shard, expected, rtol=rtol, atol=atol, err_msg=f"rank {r} shard of {name}"
             )
