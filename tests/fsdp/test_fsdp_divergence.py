@@ -6,7 +6,7 @@ import pluribus
 import pytest
 from pluribus import nn
 from pluribus.parallel import fully_shard
-from pluribus.testing import RanksFailed, run_ranks
+from pluribus.testing import RanksFailed, require_backend, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,9 +16,11 @@ WIDTH = 8
 class Stack(nn.Module):
     """Linear layers in a row; ``skip`` leaves one out of forward and backward."""
 
-    def __init__(self):
+    def __init__(self, same_sizes=True):
         super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, rng=i) for i in range(4)])
+        self.layers = nn.Sequential(
+            *[nn.Linear(WIDTH, WIDTH, bias=same_sizes or i != 2, rng=i) for i in range(4)]
+        )
         self.skip = None
 
     def _used(self):
@@ -35,8 +37,8 @@ class Stack(nn.Module):
         return grad
 
 
-def diverging_on_rank(prefetch):
-    model = Stack()
+def diverging_on_rank(prefetch, same_sizes=True):
+    model = Stack(same_sizes)
     for layer in model.layers:
         fully_shard(layer, prefetch=prefetch)
     fully_shard(model, prefetch=prefetch)
@@ -56,3 +58,22 @@ def test_a_rank_skipping_a_unit_fails_every_rank_naming_it(prefetch):
         assert error.kind == "RuntimeError", error.message
         assert "ranks ran different units" in error.message
         assert "'layers.1'" in error.message and "rank 1" in error.message
+
+
+def test_units_of_other_sizes_fail_naming_the_unit_too():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(diverging_on_rank, 2, "threads", args=(False, False), timeout=20)
+    for error in failed.value.errors:
+        assert "ranks ran different units" in error.message, error.message
+        assert f"rank {error.rank}" in error.message
+    named = {e.rank: e.message for e in failed.value.errors}
+    assert "'layers.1'" in named[0] and "'layers.2'" in named[1]
+
+
+def test_on_gloo_processes_too():
+    require_backend("gloo")
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(diverging_on_rank, 2, "gloo", "processes", timeout=60, args=(True,))
+    assert sorted(e.rank for e in failed.value.errors) == [0, 1]
+    for error in failed.value.errors:
+        assert "ranks ran different units" in error.message, error.message

@@ -186,7 +186,15 @@ class Unit:
     def _finish_gather(self, pending: tuple, target_flat: Any, skip_own: bool) -> None:
         work, segments, _ = pending
         started = time.perf_counter()
-        work.wait()
+        try:
+            work.wait()
+        except ValueError as exc:  # the backend saw segments of other sizes than this unit's
+            names = self.root.unit_names if self.root is not None else {}
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: FSDP: the all-gather of unit "
+                f"{names.get(self.index, self.name)!r} met one of another size ({exc}); ranks "
+                "ran different units. Run the same units in the same order on every rank"
+            ) from exc
         self.gather_wait_s += time.perf_counter() - started
         self._check_tags(segments)
         for piece in self.pieces:
