@@ -33,8 +33,8 @@ class _Piece:
     def __init__(self, name: str, param: Parameter, n: int):
         if param.data.ndim == 0:
             raise ValueError(
-                f"fully_shard: parameter {name!r} is 0-d; FSDP shards parameters on their "
-                "first dimension: give it shape (1,)"
+                f"rank {dist.get_rank()}: fully_shard: parameter {name!r} is 0-d; FSDP shards "
+                "parameters on their first dimension: give it shape (1,)"
             )
         self.name, self.param = name, param
         self.shape = tuple(int(s) for s in param.data.shape)
@@ -84,8 +84,9 @@ class Unit:
         dtypes = {str(p.param.data.dtype) for p in self.pieces}
         if len(dtypes) > 1 or np.dtype(first.dtype).kind != "f":
             raise TypeError(
-                f"fully_shard({type(module).__name__}): a unit's parameters must share one "
-                f"floating dtype, got {sorted(dtypes)}; wrap modules of different dtypes apart"
+                f"rank {dist.get_rank()}: fully_shard({type(module).__name__}): a unit's "
+                f"parameters must share one floating dtype, got {sorted(dtypes)}; wrap modules "
+                "of different dtypes apart"
             )
         self.xp = array_namespace(first)
         self.dtype = first.dtype
@@ -243,19 +244,17 @@ class Unit:
             self.gathered = True
             return
         in_place = self.full_flat is not None  # kept, in the compute dtype
+        target = self.full_flat if in_place else self.xp.empty(self.total, self.compute_dtype)
+        self.compute_flat = None if in_place else target
         if self.n == 1:
-            target = self.full_flat if in_place else self.xp.empty(self.total, self.compute_dtype)
             if not self.shards_in_full:  # the float32 master copy, cast
                 target[...] = self.xp.asarray(self.shard_flat) if self.offload else self.shard_flat
         else:
             if self._gather is None:
                 self.start_unshard()
             pending, self._gather = self._gather, None
-            target = self.full_flat if in_place else self.xp.empty(self.total, self.compute_dtype)
-            self.compute_flat = None if in_place else target
             self._finish_gather(pending, target, skip_own=self.shards_in_full)
             self.root.ledger.sample(pending)
-        self.compute_flat = None if in_place else target
         for piece in self.pieces:
             piece.param.data = self._full_view(target, piece)
         self.gathered = True
