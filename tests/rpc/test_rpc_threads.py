@@ -352,3 +352,36 @@ def test_shutdown_returns_within_its_timeout_when_a_peer_never_shuts_down():
         t.join(20)
     assert took[0] < 1.2
     assert took[1] < 2.0  # w0 is gone: nobody left to wait for
+
+
+@pytest.mark.parametrize("scheme", ["file", "tcp"])
+def test_init_method_file_and_tcp_rendezvous(tmp_path, scheme):
+    """init_rpc finds the job the way init_process_group does (here: file:// and tcp://)."""
+    import socket
+
+    if scheme == "file":
+        url = f"file://{tmp_path / 'store'}"
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    results, errors = {}, {}
+
+    def body(rank):
+        try:
+            me = rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, init_method=url, timeout=20)
+            try:
+                if rank == 0:
+                    results[0] = (me, rpc.rpc_sync("w1", c.add, args=(2, 3)))
+            finally:
+                rpc.shutdown(timeout=20)
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert not errors, errors
+    assert results[0] == (rpc.WorkerInfo("w0", 0), 5)
