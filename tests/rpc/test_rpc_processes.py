@@ -45,8 +45,12 @@ def _api(rank, conn):
     counter.release()
     alive_after_release = rpc.rpc_sync("w1", c.owned_count, args=(counter.id,))
     relayed = rpc.rpc_sync("w2", c.relay, args=(["w1", "w0"], "x"))
-    rpc.rpc_sync("w2", c.drop_kept)
-    freed = rpc.rpc_sync("w1", c.owned_count, args=(counter.id,))
+    rpc.rpc_sync("w2", c.drop_kept)  # w2's release travels on w2's own connection to w1
+    deadline = time.monotonic() + 5
+    while (freed := rpc.rpc_sync("w1", c.owned_count, args=(counter.id,))) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
     with rpc.remote("w2", c.array_example) as made:
         fetched = bool(np.array_equal(made.to_here(), c.array_example()))
     info = rpc.get_worker_info("w2")
