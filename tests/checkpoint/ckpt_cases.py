@@ -146,3 +146,32 @@ def random_layout(rng: np.random.Generator, world: int, mesh: tuple[int, ...]) -
         tensors[key] = spec
     assert math.prod(mesh) == world
     return {"mesh": list(mesh), "tensors": tensors}
+
+
+def manager_save_body(directory: str, step: int, layout: dict, keep_last: int | None) -> bool:
+    state = build_state(layout, fill=True)
+    state["step"] = step
+    checkpoint.CheckpointManager(directory, keep_last=keep_last).save(step, state)
+    return True
+
+
+def manager_load_body(directory: str, layout: dict) -> int | None:
+    """Load the newest complete step into ``layout``, checking it as :func:`load_body` does."""
+    manager = checkpoint.CheckpointManager(directory)
+    step = manager.latest_step()
+    if step is not None:
+        load_body_with_step(layout, manager.path(step), step)
+    return step
+
+
+def load_body_with_step(layout: dict, path: str, step: int) -> None:
+    state = build_state(layout, fill=False)
+    checkpoint.load(state, path)
+    assert state["step"] == step
+    ref = reference()
+    weight = state["model"]["layers"][0]["weight"]
+    expected = ref["model.layers.0.weight"][
+        weight.layout.local_slices(weight.device_mesh.coordinate)
+    ]
+    np.testing.assert_array_equal(weight.to_local(), expected)
+    np.testing.assert_array_equal(state["model"]["embedding"], ref["model.embedding"])
