@@ -10,12 +10,13 @@ from .errors import CheckpointError
 from .load import load
 from .manager import CheckpointManager
 from .metadata import VERSION, read_metadata
-from .save import async_save, save
+from .save import SaveFuture, async_save, save
 
 __all__ = [
     "VERSION",
     "CheckpointError",
     "CheckpointManager",
+    "SaveFuture",
     "async_save",
     "load",
     "read_metadata",

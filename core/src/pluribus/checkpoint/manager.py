@@ -47,7 +47,6 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.async_save = async_save
         self.process_group = process_group
-        self._future: concurrent.futures.Future | None = None
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"step-{step}")
@@ -72,24 +71,20 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         publish = lambda: self._after_publish(step)  # noqa: E731
         if self.async_save:
-            self._future = async_save(
+            return async_save(
                 state_dict, self.path(step), process_group=self.process_group,
                 after_publish=publish,
             )  # fmt: skip
-            return self._future
         self.wait()
         save(state_dict, self.path(step), process_group=self.process_group, after_publish=publish)
         return None
 
     def wait(self) -> None:
         """Finish the save in flight; its error, if any, is raised here."""
-        future, self._future = self._future, None
-        if future is not None:
-            future.result()
-        if dist.is_initialized():
-            wait_for_async(
-                dist.get_default_group() if self.process_group is None else self.process_group
-            )
+        group = self.process_group
+        if group is None and dist.is_initialized():
+            group = dist.get_default_group()
+        wait_for_async(group)
 
     def load_latest(self, state_dict: dict, *, strict: bool = True) -> int | None:
         """Load the newest complete checkpoint into ``state_dict``; its step, or None."""

@@ -286,12 +286,26 @@ def save(
 # -- async --------------------------------------------------------------------------------------
 
 
+class SaveFuture(concurrent.futures.Future):
+    """The outcome of an :func:`async_save`. ``result()`` (or ``wait()``) waits and raises its
+    error; an error nobody has seen that way is raised by the next save instead."""
+
+    reported = False
+
+    def result(self, timeout: float | None = None):
+        self.reported = True
+        return super().result(timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.result(timeout)
+
+
 class _Background:
     """One rank's saves in flight (at most one) and the group their collectives use, so that
     they never interleave with the training loop's collectives on the default group."""
 
     def __init__(self) -> None:
-        self.future: concurrent.futures.Future | None = None
+        self.future: SaveFuture | None = None
         self.groups: dict[int, Any] = {}
 
 
@@ -299,19 +313,24 @@ _background: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _background_lock = threading.Lock()
 
 
+_single_process = _Background()
+
+
 def _state_for(group) -> _Background:
+    if group is None:
+        return _single_process
     with _background_lock:
         return _background.setdefault(group, _Background())
 
 
 def wait_for_async(group) -> None:
     """Wait for this rank's save in flight, raising its error (an error is never dropped)."""
-    if group is None:
-        return
     state = _state_for(group)
     future, state.future = state.future, None
-    if future is not None:
+    if future is not None and not future.reported:
         future.result()
+    elif future is not None:
+        concurrent.futures.wait([future])
 
 
 def async_save(
@@ -321,31 +340,24 @@ def async_save(
     process_group=None,
     coordinator_rank: int = 0,
     after_publish: Callable[[], None] | None = None,
-) -> concurrent.futures.Future:
+) -> SaveFuture:
     """Like :func:`save`, but return once the state is copied (device -> host for cupy, a
     snapshot for numpy); writing, fsync and commit run on a background thread. The future's
     ``result()`` raises what went wrong; so does the next save, which first waits for this one
     (one save in flight: memory stays at one snapshot)."""
     group, rank, world = _group_and_rank(process_group)
-    if group is None:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        snap = take_snapshot(state_dict, rank, world, copy=False)
-        try:
-            write_and_commit(snap, os.fspath(path), None, coordinator_rank, after_publish)
-            future.set_result(None)
-        except CheckpointError as e:
-            future.set_exception(e)
-        return future
     wait_for_async(group)
     state = _state_for(group)
-    if process_group is None:
+    if group is None:
+        background_group = None
+    elif process_group is None:
         if "world" not in state.groups:
             state.groups["world"] = dist.new_group()  # every rank, in the same order
         background_group = state.groups["world"]
     else:
         background_group = process_group
     snap = take_snapshot(state_dict, rank, world, copy=True)
-    future = concurrent.futures.Future()
+    future = SaveFuture()
 
     def run() -> None:
         try:
