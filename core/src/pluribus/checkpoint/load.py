@@ -115,7 +115,7 @@ def plan_load(
     return destinations, values
 
 
-class _Files:
+class DataFiles:
     """Open data files and their headers, checked against the metadata once per file."""
 
     def __init__(self, root: str):
@@ -179,7 +179,7 @@ def _read_exactly(fd: int, buffers: list[memoryview], offset: int, path: str) ->
             buffers = rest
 
 
-def _execute(dest: Destination, files: _Files, block: int, verify: bool) -> None:
+def read_into(dest: Destination, files: DataFiles, block: int, verify: bool) -> None:
     dtype = numpy_dtype(dest.info.dtype)
     for read in dest.reads:
         fd, entry, path = files.entry(dest.key, read, dtype.itemsize)
@@ -260,10 +260,10 @@ def load(
         error = f"rank {global_rank}: {e}" if not str(e).startswith("rank ") else str(e)
     _agree(group, error, f"loading {path}")
     destinations, values = plan
-    files = _Files(path)
+    files = DataFiles(path)
     try:
         for dest in destinations:
-            _execute(dest, files, meta.block_bytes, verify)
+            read_into(dest, files, meta.block_bytes, verify)
     except CheckpointError as e:
         error = f"rank {global_rank}: {e}"
     finally:
