@@ -7,8 +7,8 @@ whose path hashes to 0 mod 10 are held out, the rest are for training. A "datase
 set of windows drawn from the training text; each epoch the ranks split it with
 ``DistributedSampler``. Every epoch prints the training loss, the held-out loss (next to the
 loss of a unigram model, the baseline to beat) and tokens/s; at the end rank 0 samples some
-code. Rank 0 saves a checkpoint after every epoch; ``--resume`` or a restart by
-``pluribus-run --max-restarts`` continues from it.
+code. After every epoch the ranks save a checkpoint together (``pluribus.checkpoint``);
+``--resume`` or a restart by ``pluribus-run --max-restarts`` continues from the newest.
 
 ``--parallel`` picks how the model is spread over the ranks (``ddp`` today; the later layers
 join this flag), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks).
@@ -33,7 +33,7 @@ if _RANKS_HERE > 1:
 
 import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
-from pluribus import nn  # noqa: E402
+from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
 from pluribus.parallel import DistributedDataParallel  # noqa: E402
 
@@ -176,30 +176,27 @@ def warmup_then_cosine(warmup: int, total: int):
 # -- checkpoints -----------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, model, opt, scheduler, epoch: int) -> None:
-    """Write atomically (temp file, then rename) so a crash never leaves half a checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"model/{k}": _host(v) for k, v in model.state_dict().items()}
-    arrays.update({f"optim/{k}": _host(v) for k, v in opt.state_dict().items()})
-    arrays["scheduler/last_epoch"] = np.array(scheduler.last_epoch)
-    arrays["epoch"] = np.array(epoch)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+def checkpoint_state(model, opt, scheduler, epoch: int) -> dict:
+    """What a checkpoint holds; every rank passes its own state (cupy arrays too) and each
+    array is written once."""
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+    }
 
 
-def restore_checkpoint(path: Path | None, model, opt, scheduler) -> int:
-    """Load the checkpoint rank 0 sees into every rank; return the epoch to start from."""
-    state = None
-    if pluribus.get_rank() == 0 and path is not None and path.exists():
-        with np.load(path) as saved:
-            state = {k: saved[k] for k in saved.files}
-    state = pluribus.broadcast_object(state, src=0)
-    if state is None:
+def restore_checkpoint(manager: checkpoint.CheckpointManager | None, model, opt, scheduler) -> int:
+    """Load the newest complete checkpoint into every rank; return the epoch to start from."""
+    step = manager.latest_step() if manager is not None else None
+    if step is None:
         return 0
-    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model/")})
-    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim/")})
-    scheduler.last_epoch = int(state["scheduler/last_epoch"])
+    state = checkpoint.read_whole(manager.path(step))  # the optimizer has no state to fill yet
+    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim.")})
+    scheduler.load_state_dict({"last_epoch": state["scheduler.last_epoch"],
+                               "base_lrs": state["scheduler.base_lrs"]})  # fmt: skip
     return int(state["epoch"])
 
 
@@ -254,7 +251,9 @@ def train(args: argparse.Namespace) -> dict:
         opt, warmup_then_cosine(args.warmup_steps, args.epochs * steps_per_epoch)
     )
     loss_fn = nn.CrossEntropyLoss()
-    ckpt = Path(args.checkpoint_dir) / "gpt.npz" if args.checkpoint_dir else None
+    ckpt = None
+    if args.checkpoint_dir:
+        ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
     start_epoch = 0
     if args.resume or restarts > 0:
@@ -268,7 +267,8 @@ def train(args: argparse.Namespace) -> dict:
             flush=True,
         )
         if start_epoch:
-            print(f"resuming from {ckpt} at epoch {start_epoch} (restart {restarts})", flush=True)
+            where = ckpt.path(start_epoch)
+            print(f"resuming from {where} at epoch {start_epoch} (restart {restarts})", flush=True)
 
     history: dict = {"losses": [], "held_out": [], "tokens_per_s": []}
     tokens_per_step = world * args.batch_size * block
@@ -302,8 +302,8 @@ def train(args: argparse.Namespace) -> dict:
                 f"(unigram {baseline:.3f}), {rate:,.0f} tokens/s, {elapsed:.1f}s",
                 flush=True,
             )
-            if ckpt is not None:
-                save_checkpoint(ckpt, model, opt, scheduler, epoch + 1)
+        if ckpt is not None:  # every rank takes part
+            ckpt.save(epoch + 1, checkpoint_state(model, opt, scheduler, epoch + 1))
     if not history["held_out"]:  # nothing left to train: report the restored model
         history["held_out"].append(evaluate(model, held_out, args.batch_size, xp))
     sample = ""

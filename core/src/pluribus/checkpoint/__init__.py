@@ -6,6 +6,7 @@ into place, so a checkpoint is complete or absent. Loading computes each rank's 
 metadata alone and verifies what it reads. Nothing is pickled. See ``docs/checkpoint.md``.
 """
 
+from .consolidate import consolidate, read_whole
 from .errors import CheckpointError
 from .load import load
 from .manager import CheckpointManager
@@ -18,7 +19,9 @@ __all__ = [
     "CheckpointManager",
     "SaveFuture",
     "async_save",
+    "consolidate",
     "load",
     "read_metadata",
+    "read_whole",
     "save",
 ]

@@ -25,6 +25,21 @@ def read_tensor(path: str, meta: Metadata, key: str, files: DataFiles, verify: b
     return full
 
 
+def read_whole(path: str | os.PathLike, verify: bool = True) -> dict:
+    """Every tensor whole (numpy) and every value, by dotted key: for a caller that holds
+    everything whole anyway (one process, DDP) and has no state dict to load into yet (an
+    optimizer creates its state at its first step)."""
+    path = os.fspath(path)
+    meta = read_metadata(path)
+    files = DataFiles(path)
+    try:
+        out: dict = {key: read_tensor(path, meta, key, files, verify) for key in meta.tensors}
+    finally:
+        files.close()
+    out.update(meta.values)
+    return out
+
+
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, verify: bool = True) -> None:
     """Write every tensor of checkpoint ``path`` whole into the safetensors file ``out``
     (one tensor in memory at a time); plain values go into its ``__metadata__`` as JSON."""
