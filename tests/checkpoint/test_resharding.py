@@ -3,6 +3,7 @@ state, the RNG and sampler state equal the single-process reference."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -19,7 +20,7 @@ from ckpt_cases import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pluribus import checkpoint
-from pluribus.testing import run_ranks
+from pluribus.testing import RanksFailed, run_ranks
 
 MESHES = {1: [(1,)], 2: [(2,), (1, 2), (2, 1)], 3: [(3,)], 4: [(4,), (2, 2)]}
 
@@ -106,6 +107,45 @@ def test_files_open_with_any_safetensors_reader_and_metadata_is_json(tmp_path):
     with open(os.path.join(path, "metadata.json")) as f:
         doc = json.load(f)
     assert doc["format"] == "pluribus-checkpoint" and doc["version"] == checkpoint.VERSION
+    assert doc["checksum"] == "crc32c"  # the test extra installs crc32c
     assert set(doc["tensors"]) == set(SHARDED) | set(REPLICATED)
     chunk = doc["tensors"]["model.head"]["chunks"][0]
-    assert {"offsets", "sizes", "file", "name", "crc32"} <= set(chunk)
+    assert {"offsets", "sizes", "file", "name", "checksums"} <= set(chunk)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("algorithm", ["crc32c", "crc32"])
+def test_partial_reads_verify_only_their_blocks_and_catch_a_flip_in_them(
+    tmp_path, monkeypatch, algorithm
+):
+    """With 64-byte checksum blocks a 2-rank load of a 1-rank checkpoint reads parts of
+    chunks: it passes, and a flipped byte in a block one rank reads fails that load."""
+    save_module = importlib.import_module("pluribus.checkpoint.save")
+
+    monkeypatch.setattr(save_module, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(save_module, "preferred", lambda: algorithm)
+    path = str(tmp_path / "c")
+    _save(random_layout(np.random.default_rng(2), 1, (1,)), 1, path)
+    meta = checkpoint.read_metadata(path)
+    assert meta.block_bytes == 64 and meta.checksum == algorithm
+    assert len(meta.tensors["model.layers.0.weight"].chunks[0].checksums) == -(-7 * 5 * 4 // 64)
+    two = random_layout(np.random.default_rng(3), 2, (2,))
+    two["tensors"]["model.layers.0.weight"] = [[0, [3, 4]]]
+    _load(two, 2, path)
+    chunk = meta.tensors["model.layers.0.weight"].chunks[0]
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, chunk.file), "np") as f:
+        assert f.get_tensor(chunk.name).shape == (7, 5)
+    with open(os.path.join(path, chunk.file), "rb") as f:
+        head = 8 + int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(head - 8))
+    begin = head + header[chunk.name]["data_offsets"][0]
+    with open(os.path.join(path, chunk.file), "r+b") as f:
+        f.seek(begin + 5 * 5 * 4 + 3)  # row 5: only the rank holding rows 3..6 reads it
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(RanksFailed, match="checksum mismatch") as excinfo:
+        _load(two, 2, path)
+    assert "rank 1: " in str(excinfo.value)

@@ -179,7 +179,8 @@ def _read_exactly(fd: int, buffers: list[memoryview], offset: int, path: str) ->
             buffers = rest
 
 
-def read_into(dest: Destination, files: DataFiles, block: int, verify: bool) -> None:
+def read_into(dest: Destination, files: DataFiles, meta: Metadata, verify: bool) -> None:
+    block = meta.block_bytes
     dtype = numpy_dtype(dest.info.dtype)
     for read in dest.reads:
         fd, entry, path = files.entry(dest.key, read, dtype.itemsize)
@@ -202,7 +203,7 @@ def read_into(dest: Destination, files: DataFiles, block: int, verify: bool) -> 
         segments = [s for s in segments if len(s)]
         _read_exactly(fd, list(segments), entry.begin + start, path)
         if verify:
-            bad = first_bad_block(segments, start, block, read.chunk.crc32)
+            bad = first_bad_block(segments, start, block, read.chunk.checksums, meta.checksum)
             if bad is not None:
                 raise CheckpointError(
                     f"{path}: checksum mismatch in tensor {read.chunk.name!r} of {dest.key!r}, "
@@ -263,7 +264,7 @@ def load(
     files = DataFiles(path)
     try:
         for dest in destinations:
-            read_into(dest, files, meta.block_bytes, verify)
+            read_into(dest, files, meta, verify)
     except CheckpointError as e:
         error = f"rank {global_rank}: {e}"
     finally:

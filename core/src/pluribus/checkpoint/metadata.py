@@ -16,7 +16,8 @@ from .errors import CheckpointError
 FORMAT = "pluribus-checkpoint"
 VERSION = 1
 METADATA_FILE = "metadata.json"
-#: bytes covered by one CRC-32; a rank that reads part of a chunk verifies only the blocks it reads
+#: bytes covered by one checksum; a rank that reads part of a chunk verifies only the blocks it
+#: reads
 BLOCK_BYTES = 4 << 20
 
 
@@ -28,7 +29,7 @@ class Chunk:
     sizes: tuple[int, ...]
     file: str
     name: str
-    crc32: tuple[int, ...]
+    checksums: tuple[int, ...]
 
     def to_json(self) -> dict:
         return {
@@ -36,13 +37,13 @@ class Chunk:
             "sizes": list(self.sizes),
             "file": self.file,
             "name": self.name,
-            "crc32": list(self.crc32),
+            "checksums": list(self.checksums),
         }
 
     @staticmethod
     def from_json(d: dict) -> Chunk:
         return Chunk(
-            tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["name"], tuple(d["crc32"])
+            tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["name"], tuple(d["checksums"])
         )
 
 
@@ -89,6 +90,7 @@ class Metadata:
     #: plain values that differed between ranks: one per saving rank
     rank_values: dict[str, list[Any]]
     block_bytes: int = BLOCK_BYTES
+    checksum: str = "crc32"
 
     def to_json(self) -> str:
         return json.dumps(
@@ -97,6 +99,7 @@ class Metadata:
                 "version": VERSION,
                 "world_size": self.world_size,
                 "block_bytes": self.block_bytes,
+                "checksum": self.checksum,
                 "tensors": {k: t.to_json() for k, t in self.tensors.items()},
                 "values": self.values,
                 "rank_values": self.rank_values,
@@ -139,6 +142,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
             values=dict(doc["values"]),
             rank_values={k: list(v) for k, v in doc["rank_values"].items()},
             block_bytes=int(doc["block_bytes"]),
+            checksum=str(doc["checksum"]),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: malformed metadata ({type(e).__name__}: {e})") from None

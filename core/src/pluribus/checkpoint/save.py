@@ -26,7 +26,7 @@ import numpy as np
 from .. import distributed as dist
 from ..dtensor import Partial
 from . import commit
-from .checksums import block_crcs
+from .checksums import block_sums, preferred
 from .errors import CheckpointError
 from .metadata import BLOCK_BYTES, METADATA_FILE, Chunk, Metadata, TensorInfo
 from .planning import (
@@ -52,6 +52,7 @@ class Snapshot:
     tensors: dict[str, list] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    checksum: str = ""
 
 
 def _host(array: Any, copy: bool) -> np.ndarray:
@@ -69,7 +70,7 @@ def _host(array: Any, copy: bool) -> np.ndarray:
 def take_snapshot(state_dict: dict, rank: int, world_size: int, copy: bool) -> Snapshot:
     """Everything this rank writes; ``copy`` snapshots numpy arrays (for a background write).
     Bad input becomes ``snapshot.error`` so that every rank can raise it together."""
-    snap = Snapshot(rank, world_size)
+    snap = Snapshot(rank, world_size, checksum=preferred())
     try:
         leaves = flatten(state_dict, rank)
         whole = [leaf for leaf in leaves if leaf.kind == ARRAY]
@@ -131,15 +132,15 @@ def _write_pieces(snap: Snapshot, directory: str, global_rank: int) -> dict[str,
             write_file, os.path.join(directory, name), tensors, {"format": "pluribus"},
             crash_while_writing,
         )  # fmt: skip
-        sums = [block_crcs(as_bytes(array), BLOCK_BYTES) for _, array in tensors]
+        sums = [block_sums(as_bytes(a), BLOCK_BYTES, snap.checksum) for _, a in tensors]
         written.result()
     return {
-        key: Chunk(tuple(offsets), tuple(array.shape), name, key, tuple(crcs)).to_json()
-        for (key, offsets, array), crcs in zip(snap.pieces, sums, strict=True)
+        key: Chunk(tuple(offsets), tuple(array.shape), name, key, tuple(sums)).to_json()
+        for (key, offsets, array), sums in zip(snap.pieces, sums, strict=True)
     }
 
 
-def _metadata(reports: list[dict], world_size: int) -> Metadata:
+def _metadata(reports: list[dict], world_size: int, checksum: str) -> Metadata:
     """The coordinator's table of contents from every rank's report; ranks that disagree on a
     key's shape or dtype, or chunks that do not tile a tensor, are an error."""
     first = reports[0]
@@ -180,7 +181,9 @@ def _metadata(reports: list[dict], world_size: int) -> Metadata:
             values[key] = each[0]
         else:
             rank_values[key] = each
-    return Metadata(world_size, tensors, values, rank_values)
+    return Metadata(
+        world_size, tensors, values, rank_values, block_bytes=BLOCK_BYTES, checksum=checksum
+    )
 
 
 def _exchange(group, obj: Any) -> list[Any]:
@@ -211,8 +214,9 @@ def write_and_commit(
             os.mkdir(commit.temporary_dir(path, token))
         except OSError as e:
             error = f"cannot create {commit.temporary_dir(path, token)}: {e}"
-    agreed = _exchange(group, {"error": error, "token": token})
+    agreed = _exchange(group, {"error": error, "token": token, "checksum": snap.checksum})
     tmp = commit.temporary_dir(path, agreed[coordinator]["token"])
+    snap.checksum = agreed[coordinator]["checksum"]  # every rank sums as the coordinator does
     failed = _failures(agreed, group)
     if failed:
         if is_coordinator:
@@ -233,7 +237,7 @@ def write_and_commit(
             failed = _failures(reports, group)
             if failed:
                 raise CheckpointError("; ".join(failed))
-            metadata = _metadata(reports, snap.world_size)
+            metadata = _metadata(reports, snap.world_size, agreed[coordinator]["checksum"])
             commit.crash_point("before-metadata", global_rank)
             with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
                 f.write(metadata.to_json())
