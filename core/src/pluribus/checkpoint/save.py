@@ -11,8 +11,10 @@ tells every rank the outcome.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
+import queue
 import shutil
 import threading
 import uuid
@@ -305,12 +307,39 @@ class SaveFuture(concurrent.futures.Future):
 
 
 class _Background:
-    """One rank's saves in flight (at most one) and the group their collectives use, so that
-    they never interleave with the training loop's collectives on the default group."""
+    """One rank's saves in flight (at most one), the group their collectives use (so that
+    they never interleave with the training loop's collectives on the default group), and the
+    worker thread that runs them. The worker stays for a while after a save, because starting
+    a thread costs the caller milliseconds on a busy machine; it leaves when idle, and a save
+    still running when the interpreter exits is waited for."""
+
+    IDLE_SECONDS = 10.0
 
     def __init__(self) -> None:
         self.future: SaveFuture | None = None
-        self.groups: dict[int, Any] = {}
+        self.groups: dict[str, Any] = {}
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None], name: str) -> None:
+        with self.lock:
+            self.jobs.put(job)
+            if self.worker is None:
+                self.worker = threading.Thread(target=self._work, name=name, daemon=True)
+                self.worker.start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get(timeout=self.IDLE_SECONDS)
+            except queue.Empty:
+                with self.lock:
+                    if self.jobs.empty():
+                        self.worker = None
+                        return
+                continue
+            job()
 
 
 _background: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -374,5 +403,15 @@ def async_save(
             future.set_result(None)
 
     state.future = future
-    threading.Thread(target=run, name=f"checkpoint-save-rank{rank}").start()
+    _in_flight.add(future)
+    future.add_done_callback(_in_flight.discard)
+    state.submit(run, f"checkpoint-save-rank{rank}")
     return future
+
+
+_in_flight: set[SaveFuture] = set()
+
+
+@atexit.register
+def _finish_saves_in_flight() -> None:
+    concurrent.futures.wait(list(_in_flight))
