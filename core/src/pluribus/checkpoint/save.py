@@ -229,7 +229,7 @@ def write_and_commit(
     report: dict[str, Any] = {"error": None, "tensors": snap.tensors, "values": snap.values}
     try:
         report["chunks"] = _write_pieces(snap, tmp, global_rank)
-    except OSError as e:
+    except Exception as e:  # every rank must reach the next exchange to hear of it
         report["error"] = f"writing {os.path.join(tmp, _rank_file(snap.rank))}: {e}"
         report["chunks"] = {}
     reports = _exchange(group, report)
@@ -248,14 +248,14 @@ def write_and_commit(
             commit.fsync_dir(tmp)
             commit.crash_point("before-rename", global_rank)
             commit.publish(tmp, path, agreed[coordinator]["token"])
-        except (OSError, CheckpointError) as e:
+        except Exception as e:  # the others wait for the outcome: always send one
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = f"{e}" if isinstance(e, CheckpointError) else f"committing: {e}"
         else:
             if after_publish is not None:
                 try:
                     after_publish()
-                except OSError as e:
+                except Exception as e:
                     outcome = f"saved {path}, but updating its folder failed: {e}"
     if group is not None:
         outcome = dist.broadcast_object(outcome, src=group.ranks[coordinator], group=group)
