@@ -1,6 +1,6 @@
 """pluribus.checkpoint against writing and reading the same bytes by hand, in the same run.
 
-    python benchmarks/checkpoint_io.py --mib 256 --reps 3
+    python benchmarks/checkpoint_io.py --mib 512 --reps 4
 
 The state is 8 float32 tensors of ``(rows, 1024)``, ``Shard(0)`` DTensors over 4 gloo ranks
 (processes); ``--mib`` is the whole state. Each repetition, in alternating order:
@@ -190,7 +190,9 @@ def _pieces_of(rank: int, rows: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="size of the whole state")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--reps", type=int, default=4, help="even, so that each order runs as often"
+    )
     parser.add_argument("--folder", default=None, help="where to write (default: a temp folder)")
     args = parser.parse_args()
     from pluribus.testing import run_ranks
