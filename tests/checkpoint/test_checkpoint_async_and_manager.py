@@ -12,7 +12,7 @@ import pytest
 from pluribus import checkpoint
 from pluribus.checkpoint import CheckpointError, CheckpointManager
 from pluribus.dtensor import Shard, distribute_tensor, init_device_mesh
-from pluribus.testing import RanksFailed, run_ranks
+from pluribus.testing import RanksFailed, require_backend, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,6 +45,15 @@ def _async_snapshot_body(path):
 
 def test_async_save_writes_the_snapshot_while_training_goes_on(tmp_path):
     results = run_ranks(_async_snapshot_body, 3, args=(str(tmp_path / "c"),))
+    for w, b, step in results:
+        assert w == (np.arange(10.0) + 1).tolist() and b == [1.0] * 3 and step == 1
+
+
+def test_async_save_on_gloo_processes_overlaps_the_loops_collectives(tmp_path):
+    """Real processes: the background commit's collectives (on its own group) run while the
+    main thread all-reduces on the default group."""
+    require_backend("gloo")
+    results = run_ranks(_async_snapshot_body, 2, "gloo", args=(str(tmp_path / "c"),))
     for w, b, step in results:
         assert w == (np.arange(10.0) + 1).tolist() and b == [1.0] * 3 and step == 1
 
