@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import math
 import os
 import queue
 import shutil
@@ -39,7 +40,7 @@ from .planning import (
     writes_dtensor_piece,
 )
 from .safetensors_io import DTYPES, as_bytes, write_file
-from .state import ARRAY, DTENSOR, flatten, is_cupy
+from .state import ARRAY, DTENSOR, VALUE, flatten, is_cupy
 
 
 @dataclass
@@ -75,40 +76,33 @@ def take_snapshot(state_dict: dict, rank: int, world_size: int, copy: bool) -> S
     snap = Snapshot(rank, world_size, checksum=preferred())
     try:
         leaves = flatten(state_dict, rank)
-        whole = [leaf for leaf in leaves if leaf.kind == ARRAY]
-        owners = assign_replicated(
-            [(leaf.key, int(np.asarray(leaf.value).nbytes) if not is_cupy(leaf.value) else
-              int(leaf.value.nbytes)) for leaf in whole],
-            world_size,
-        )  # fmt: skip
+        whole = [(leaf.key, int(leaf.value.nbytes)) for leaf in leaves if leaf.kind == ARRAY]
+        owners = assign_replicated(whole, world_size)
         for leaf in leaves:
-            if leaf.kind == DTENSOR:
-                tensor = leaf.value
-                if any(isinstance(p, Partial) for p in tensor.placements):
-                    raise ValueError(
-                        f"rank {rank}: state dict entry {leaf.key!r} is a DTensor with "
-                        f"placements {list(tensor.placements)}; a Partial tensor is not a value "
-                        "yet: redistribute it to Replicate (or Shard) before saving"
-                    )
-                local = tensor.to_local()
-                dtype = np.dtype(local.dtype)
-                snap.tensors[leaf.key] = [list(tensor.shape), dtype.name, describe_layout(tensor)]
-                offsets, sizes = dtensor_box(tensor)
-                if np.prod(sizes) > 0 and writes_dtensor_piece(leaf.key, tensor):
-                    snap.pieces.append((leaf.key, offsets, _host(local, copy)))
-            elif leaf.kind == ARRAY:
-                dtype = np.dtype(leaf.value.dtype)
-                shape = list(np.shape(leaf.value))
-                snap.tensors[leaf.key] = [shape, dtype.name, describe_layout(leaf.value)]
-                if owners[leaf.key] == rank and leaf.value.size > 0:
-                    snap.pieces.append((leaf.key, (0,) * len(shape), _host(leaf.value, copy)))
-            else:
+            if leaf.kind == VALUE:
                 snap.values[leaf.key] = leaf.value
-            if leaf.kind != "value" and dtype.name not in DTYPES:
+                continue
+            local = leaf.value.to_local() if leaf.kind == DTENSOR else leaf.value
+            dtype = np.dtype(local.dtype)
+            if dtype.name not in DTYPES:
                 raise TypeError(
                     f"rank {rank}: state dict entry {leaf.key!r} has dtype {dtype}, which "
                     f"safetensors cannot hold; use one of {sorted(DTYPES)}"
                 )
+            shape = list(leaf.value.shape)
+            snap.tensors[leaf.key] = [shape, dtype.name, describe_layout(leaf.value)]
+            if leaf.kind == DTENSOR:
+                if any(isinstance(p, Partial) for p in leaf.value.placements):
+                    raise ValueError(
+                        f"rank {rank}: state dict entry {leaf.key!r} is a DTensor with "
+                        f"placements {list(leaf.value.placements)}; a Partial tensor is not a "
+                        "value yet: redistribute it to Replicate (or Shard) before saving"
+                    )
+                offsets, sizes = dtensor_box(leaf.value)
+                if math.prod(sizes) > 0 and writes_dtensor_piece(leaf.key, leaf.value):
+                    snap.pieces.append((leaf.key, offsets, _host(local, copy)))
+            elif owners[leaf.key] == rank and local.size > 0:
+                snap.pieces.append((leaf.key, (0,) * len(shape), _host(local, copy)))
     except (TypeError, ValueError) as e:
         snap.error = str(e)
     return snap
