@@ -3,6 +3,8 @@ the previous checkpoint untouched."""
 
 from __future__ import annotations
 
+import errno
+import importlib
 import json
 import os
 import resource
@@ -183,3 +185,20 @@ def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_p
     state = {"x": np.zeros(10), "step": 0}
     checkpoint.load(state, path)
     assert state["step"] == 1 and (state["x"] == np.arange(10.0)).all()
+
+
+def test_one_rank_out_of_space_fails_every_rank_and_removes_the_partial_save(saved, monkeypatch):
+    save_module = importlib.import_module("pluribus.checkpoint.save")
+    write_file = save_module.write_file
+
+    def full_on_rank1(path, *args, **kwargs):
+        if path.endswith("rank-00001.safetensors"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return write_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_file", full_on_rank1)
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(save_body, 2, args=(LAYOUT2, saved))
+    _every_rank_says(excinfo, "rank 1: writing", "No space left on device")
+    assert sorted(os.listdir(os.path.dirname(saved))) == ["c"]
+    assert run_ranks(_load_into, 2, args=(saved,))[0]["step"] == 1234
