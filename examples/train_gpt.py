@@ -10,8 +10,9 @@ loss of a unigram model, the baseline to beat) and tokens/s; at the end rank 0 s
 code. After every epoch the ranks save a checkpoint together (``pluribus.checkpoint``);
 ``--resume`` or a restart by ``pluribus-run --max-restarts`` continues from the newest.
 
-``--parallel`` picks how the model is spread over the ranks (``ddp`` today; the later layers
-join this flag), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks).
+``--parallel`` picks how the model is spread over the ranks (``ddp``, or ``fsdp``: each block
+fully sharded; the later layers join this flag), ``--preset`` the model size (``10M`` and
+``100M`` for memory benchmarks).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
 from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
-from pluribus.parallel import DistributedDataParallel  # noqa: E402
+from pluribus.parallel import DistributedDataParallel, FullyShardedDataParallel  # noqa: E402
 
 VOCAB = 128  # ASCII; any other character reads as "?"
-PARALLEL = ["ddp", "none"]  # fsdp, pipeline, tensor and their combinations join here
+PARALLEL = ["ddp", "fsdp", "none"]  # pipeline, tensor and their combinations join here
 HELD_OUT_SEED = 12345  # the held-out windows never depend on --seed
 
 
@@ -243,7 +244,10 @@ def train(args: argparse.Namespace) -> dict:
     held_out = windows(held_tokens, args.eval_windows, block + 1, seed=HELD_OUT_SEED)
     baseline = unigram_loss(train_tokens, held_out[:, 1:])
 
+    described = repr(model)  # before sharding: fsdp leaves each rank its rows only
     runner = DistributedDataParallel(model) if args.parallel == "ddp" else model
+    if args.parallel == "fsdp":  # each block a unit, then the root; the model is sharded in place
+        runner = FullyShardedDataParallel(model)
     opt = make_optimizer(model, args)
     sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed)
     steps_per_epoch = len(sampler) // args.batch_size
@@ -252,7 +256,7 @@ def train(args: argparse.Namespace) -> dict:
     )
     loss_fn = nn.CrossEntropyLoss()
     ckpt = None
-    if args.checkpoint_dir:
+    if args.checkpoint_dir and args.parallel != "fsdp":  # fsdp's sharded resume is not wired yet
         ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
     start_epoch = 0
@@ -260,7 +264,7 @@ def train(args: argparse.Namespace) -> dict:
         start_epoch = restore_checkpoint(ckpt, model, opt, scheduler)  # lrs come with opt
     if rank == 0:
         print(
-            f"{model!r} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
+            f"{described} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
             f"{args.parallel}; {train_tokens.size:,} training and {held_tokens.size:,} held-out "
             f"characters of {sysconfig.get_paths()['stdlib']}; unigram baseline "
             f"{baseline:.3f} nats/char",
@@ -307,17 +311,24 @@ def train(args: argparse.Namespace) -> dict:
     if not history["held_out"]:  # nothing left to train: report the restored model
         history["held_out"].append(evaluate(model, held_out, args.batch_size, xp))
     sample = ""
-    if rank == 0 and args.sample_chars:
+    # under fsdp every rank runs the forwards (each gathers its share of the parameters)
+    if args.sample_chars and (rank == 0 or args.parallel == "fsdp"):
         prompt = xp.asarray(encode("def ")[None, :].astype(np.int64))
         generated = model.generate(prompt, args.sample_chars, temperature=0.8, rng=args.seed)
-        sample = decode(_host(generated[0]))
-        print(f"--- sample (temperature 0.8) ---\n{sample}\n---", flush=True)
+        sample = decode(_host(generated[0])) if rank == 0 else ""
+        if rank == 0:
+            print(f"--- sample (temperature 0.8) ---\n{sample}\n---", flush=True)
     return {
         **history,
         "baseline": baseline,
         "start_epoch": start_epoch,
         "sample": sample,
-        "state": {k: _host(v) for k, v in model.state_dict().items()},
+        "state": {
+            k: _host(v)
+            for k, v in (
+                runner.full_state_dict() if args.parallel == "fsdp" else model.state_dict()
+            ).items()
+        },
     }
 
 
