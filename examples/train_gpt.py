@@ -36,7 +36,9 @@ import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
 from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
+from pluribus.dtensor import DTensor  # noqa: E402
 from pluribus.parallel import DistributedDataParallel, FullyShardedDataParallel  # noqa: E402
+from pluribus.parallel.fsdp import load_optim_state_dict, optim_state_dict  # noqa: E402
 
 VOCAB = 128  # ASCII; any other character reads as "?"
 PARALLEL = ["ddp", "fsdp", "none"]  # pipeline, tensor and their combinations join here
@@ -177,28 +179,49 @@ def warmup_then_cosine(warmup: int, total: int):
 # -- checkpoints -----------------------------------------------------------------------------
 
 
-def checkpoint_state(model, opt, scheduler, epoch: int) -> dict:
-    """What a checkpoint holds; every rank passes its own state (cupy arrays too) and each
-    array is written once."""
+def checkpoint_state(runner, opt, scheduler, epoch: int, sharded: bool) -> dict:
+    """What a checkpoint holds; every rank passes its own state (cupy arrays too): whole
+    arrays under ddp (each written once), its rows as DTensors under fsdp."""
     return {
-        "model": model.state_dict(),
-        "optim": opt.state_dict(),
+        "model": runner.state_dict(),
+        "optim": optim_state_dict(runner, opt) if sharded else opt.state_dict(),
         "scheduler": scheduler.state_dict(),
         "epoch": epoch,
     }
 
 
-def restore_checkpoint(manager: checkpoint.CheckpointManager | None, model, opt, scheduler) -> int:
+def restore_checkpoint(
+    manager: checkpoint.CheckpointManager | None, runner, opt, scheduler, sharded: bool
+) -> int:
     """Load the newest complete checkpoint into every rank; return the epoch to start from."""
     step = manager.latest_step() if manager is not None else None
     if step is None:
         return 0
+    if sharded:  # each rank reads its rows, whatever the world size that saved them
+        state = checkpoint_state(runner, opt, scheduler, 0, sharded=True)
+        # the optimizer has no state before its first step: AdamW's, in its parameter's layout
+        optim = state["optim"]["state"]
+        for name in optim:
+            param = state["model"][name]
+            optim[name] = {"exp_avg": _zeros_like(param), "exp_avg_sq": _zeros_like(param)}
+            optim[name]["step"] = 0
+        checkpoint.load(state, manager.path(step))
+        runner.load_state_dict(state["model"])
+        load_optim_state_dict(runner, opt, state["optim"])
+        scheduler.load_state_dict(state["scheduler"])
+        return int(state["epoch"])
     state = checkpoint.read_whole(manager.path(step))  # the optimizer has no state to fill yet
-    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    runner.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
     opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim.")})
     scheduler.load_state_dict({"last_epoch": state["scheduler.last_epoch"],
                                "base_lrs": state["scheduler.base_lrs"]})  # fmt: skip
     return int(state["epoch"])
+
+
+def _zeros_like(tensor: DTensor) -> DTensor:
+    zeros = tensor.to_local().copy()
+    zeros[...] = 0
+    return DTensor(zeros, tensor.device_mesh, tensor.layout)
 
 
 def _host(array):
@@ -256,12 +279,14 @@ def train(args: argparse.Namespace) -> dict:
     )
     loss_fn = nn.CrossEntropyLoss()
     ckpt = None
-    if args.checkpoint_dir and args.parallel != "fsdp":  # fsdp's sharded resume is not wired yet
+    if args.checkpoint_dir:
         ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
+    sharded = args.parallel == "fsdp"
+    state_of = model if args.parallel == "ddp" else runner  # ddp: the module's own names
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
     start_epoch = 0
     if args.resume or restarts > 0:
-        start_epoch = restore_checkpoint(ckpt, model, opt, scheduler)  # lrs come with opt
+        start_epoch = restore_checkpoint(ckpt, state_of, opt, scheduler, sharded)
     if rank == 0:
         print(
             f"{described} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
@@ -307,7 +332,7 @@ def train(args: argparse.Namespace) -> dict:
                 flush=True,
             )
         if ckpt is not None:  # every rank takes part
-            ckpt.save(epoch + 1, checkpoint_state(model, opt, scheduler, epoch + 1))
+            ckpt.save(epoch + 1, checkpoint_state(state_of, opt, scheduler, epoch + 1, sharded))
     if not history["held_out"]:  # nothing left to train: report the restored model
         history["held_out"].append(evaluate(model, held_out, args.batch_size, xp))
     sample = ""
