@@ -59,6 +59,7 @@ class Arena:
     """One rank's view of its group's segment."""
 
     def __init__(self, segment: mmap.mmap, size: int, rank: int, half: int, engine, ranks, timeout):
+        self.group_name = ""  # for error messages
         self.segment = segment
         self.timeout = timeout
         self.size = size
@@ -76,6 +77,7 @@ class Arena:
         self.halves = [
             [data[(2 * r + h) * half : (2 * r + h + 1) * half] for r in range(size)] for h in (0, 1)
         ]
+        self.typed: dict[np.dtype, list[list[np.ndarray]]] = {}
         self.stage = self.control[self.mine + STAGE]
         self.round = 0
         self.peers = [r for r in range(size) if r != rank]
@@ -83,10 +85,9 @@ class Arena:
         self.call_seq = 0
         self.call_code = 0
         self.call_count = 0
-        self.call_what = None
 
     # -- what a collective uses
-    def begin(self, seq: int, kind: int, dtype: int, opcode: int, count: int, what) -> None:
+    def begin(self, seq: int, kind: int, dtype: int, opcode: int, count: int) -> None:
         """Announce the collective this rank now runs (checked by peers while they wait)."""
         c, m = self.control, self.mine
         code = kind | dtype << 8 | opcode << 16
@@ -94,12 +95,16 @@ class Arena:
         c[m + ANN_CODE] = code
         c[m + ANN_COUNT] = count
         c[m + ANN_SEQ] = seq
-        self.call_seq, self.call_code, self.call_count, self.call_what = seq, code, count, what
+        self.call_seq, self.call_code, self.call_count = seq, code, count
 
-    def next_half(self) -> list[np.ndarray]:
-        """The views of every rank's half for the next round."""
+    def next_half(self, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's half for the next round, as whole arrays of ``dtype`` (views made once
+        per dtype: slicing a cached view costs less than making one per call)."""
         self.round += 1
-        return self.halves[self.round & 1]
+        typed = self.typed.get(dtype)
+        if typed is None:
+            typed = self.typed[dtype] = [[h.view(dtype) for h in pair] for pair in self.halves]
+        return typed[self.round & 1]
 
     def sync(self) -> None:
         """Publish one phase and wait until every peer has published it too."""
@@ -165,8 +170,8 @@ class Arena:
             return
 
     def _describe(self) -> str:
-        what = self.call_what
-        return what() if callable(what) else str(what)
+        what = _describe_code(self.call_code, self.call_count)
+        return f"{what} on group {self.group_name!r}"
 
     def set_sleeping(self, flag: int) -> None:
         self.control[self.mine + SLEEPING] = flag
@@ -175,6 +180,7 @@ class Arena:
         self.control.release()
         self.control = None
         self.halves = None
+        self.typed = {}
         try:
             self.segment.close()
         except BufferError:

@@ -76,7 +76,7 @@ class _Call:
         self.op = Op(self.describe, backend.peer_set, True)
         self.ufunc = _reduce_ufunc(op, self.np_dtype) if op is not None else None
         if backend.arena is not None:  # peers waiting on the arena check what we run
-            backend.arena.begin(self.seq, kind, self.dtype, self.opcode, count, self.describe)
+            backend.arena.begin(self.seq, kind, self.dtype, self.opcode, count)
 
     def describe(self) -> str:
         what = wire.describe(self.kind, self.dtype, self.opcode, self.count)
@@ -160,29 +160,33 @@ class GlooBackend(Backend):
         )
         #: the group's shared segment when every member is on this host (see :mod:`.arena`)
         self.arena = None
+        self._last_signature: tuple = (None, None, 0, 0, None)
 
     def attach_arena(self, store, options: dict) -> None:
         """Agree with the other members on a shared segment; every member calls it."""
         arena = open_arena(self.engine, self.ranks, self.rank, store, self.timeout, options)
         if arena is not None:
+            arena.group_name = self.group_name
             self.arena = arena
             self.engine.arenas.append(arena)
 
-    def _arena_call(self, kind: int, array: Any, op: ReduceOp | None, count: int):
-        """Announce a collective on the arena; returns the arena and the reduction ufunc."""
-        arena = self.arena
-        seq = self.next_seq()
-        dtype = wire.dtype_code(array.dtype)
-        opcode = wire.op_code(op)
-
-        def describe() -> str:
-            what = wire.describe(kind, dtype, opcode, count)
-            return f"{what} on group {self.group_name!r}"
-
+    def _arena_call(self, kind: int, dtype: np.dtype, op: ReduceOp | None, count: int):
+        """Announce a collective on the arena; returns the reduction's ufunc."""
         if self.engine.failed is not None:
             raise _same_error(self.engine.failed)
-        arena.begin(seq, kind, dtype, opcode, count, describe)
-        return _reduce_ufunc(op, array.dtype) if op is not None else None
+        last = self._last_signature
+        if last[0] is not dtype or last[1] is not op:  # identity: hashing an Enum is slow
+            ufunc = _reduce_ufunc(op, dtype) if op is not None else None
+            last = self._last_signature = (
+                dtype,
+                op,
+                wire.dtype_code(dtype),
+                wire.op_code(op),
+                ufunc,
+            )
+        self.seq += 1
+        self.arena.begin(self.seq, kind, last[2], last[3], count)
+        return last[4]
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -268,7 +272,7 @@ class GlooBackend(Backend):
         p = self.size
         data = flat(array)
         if p > 1 and self.arena is not None:
-            ufunc = self._arena_call(wire.ALL_REDUCE, data, op, data.size)
+            ufunc = self._arena_call(wire.ALL_REDUCE, data.dtype, op, data.size)
             local.all_reduce(self.arena, data, ufunc)
         elif p > 1:
             call = _Call(self, wire.ALL_REDUCE, data, op, data.size)
@@ -334,7 +338,7 @@ class GlooBackend(Backend):
         if p == 1:
             return
         if self.arena is not None:
-            self._arena_call(wire.BROADCAST, array, None, array.size)
+            self._arena_call(wire.BROADCAST, array.dtype, None, array.size)
             local.broadcast(self.arena, flat(array), src)
             return
         data = byte_view(array)
@@ -427,7 +431,7 @@ class GlooBackend(Backend):
         if p == 1:
             return
         if self.arena is not None:
-            self._arena_call(wire.ALL_GATHER, src, None, sum(o.size for o in outs))
+            self._arena_call(wire.ALL_GATHER, src.dtype, None, sum(o.size for o in outs))
             local.all_gather(self.arena, outs, src)
             return
         call = _Call(self, wire.ALL_GATHER, src, None, src.size, check_count=False)
@@ -460,7 +464,7 @@ class GlooBackend(Backend):
             finish_average(output, op, 1)
             return
         if self.arena is not None:
-            ufunc = self._arena_call(wire.REDUCE_SCATTER, out, op, sum(x.size for x in ins))
+            ufunc = self._arena_call(wire.REDUCE_SCATTER, out.dtype, op, sum(x.size for x in ins))
             local.reduce_scatter(self.arena, out, ins, ufunc)
             finish_average(output, op, p)
             return
@@ -556,7 +560,7 @@ class GlooBackend(Backend):
             return
         token = np.zeros(0, dtype=np.uint8)
         if self.arena is not None:
-            self._arena_call(wire.BARRIER, token, None, 0)
+            self._arena_call(wire.BARRIER, token.dtype, None, 0)
             local.barrier(self.arena)
             return
         call = _Call(self, wire.BARRIER, token, None, 0)

@@ -29,10 +29,6 @@ from pluribus.arrays import byte_view
 ONE_SHOT_BYTES = int(os.environ.get("PLURIBUS_GLOO_ONE_SHOT_BYTES", 128 << 10))
 
 
-def _view(half: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
-    return half[: count * dtype.itemsize].view(dtype)
-
-
 def _reduce_in_order(ufunc, parts: list[np.ndarray], out: np.ndarray) -> None:
     """``out = parts[0] op parts[1] op ...``, left to right (``out`` may alias ``parts[0]`` or
     ``parts[1]`` only)."""
@@ -42,91 +38,92 @@ def _reduce_in_order(ufunc, parts: list[np.ndarray], out: np.ndarray) -> None:
 
 
 def all_reduce(arena, data: np.ndarray, ufunc) -> None:
-    if data.nbytes <= min(ONE_SHOT_BYTES, arena.half):
+    if data.nbytes <= ONE_SHOT_BYTES and data.nbytes <= arena.half:
         _all_reduce_one_shot(arena, data, ufunc)
     else:
         _all_reduce_two_phase(arena, data, ufunc)
 
 
 def _all_reduce_one_shot(arena, data: np.ndarray, ufunc) -> None:
-    halves = arena.next_half()
-    n, dtype = data.size, data.dtype
-    np.copyto(halves[arena.rank][: data.nbytes], byte_view(data))
+    halves = arena.next_half(data.dtype)
+    n = data.size
+    halves[arena.rank][:n] = data
     arena.sync()
-    _reduce_in_order(ufunc, [_view(h, dtype, n) for h in halves], data)
+    if arena.size == 2:
+        ufunc(halves[0][:n], halves[1][:n], out=data)
+    else:
+        _reduce_in_order(ufunc, [h[:n] for h in halves], data)
 
 
 def _all_reduce_two_phase(arena, data: np.ndarray, ufunc) -> None:
-    p, r, dtype = arena.size, arena.rank, data.dtype
-    per_round = arena.half // dtype.itemsize
+    p, r = arena.size, arena.rank
+    per_round = arena.half // data.itemsize
     for lo in range(0, data.size, per_round):
         chunk = data[lo : lo + per_round]
         m = chunk.size
         bounds = chunk_bounds(m, p)
         mine_lo, mine_hi = bounds[r], bounds[r + 1]
-        halves = arena.next_half()
-        slots = [_view(h, dtype, m) for h in halves]
+        slots = arena.next_half(data.dtype)
         mine = slots[r]
         if mine_lo:
-            np.copyto(mine[:mine_lo], chunk[:mine_lo])
+            mine[:mine_lo] = chunk[:mine_lo]
         if mine_hi < m:
-            np.copyto(mine[mine_hi:], chunk[mine_hi:])
+            mine[mine_hi:m] = chunk[mine_hi:]
         arena.sync()
         parts = [chunk[mine_lo:mine_hi] if j == r else slots[j][mine_lo:mine_hi] for j in range(p)]
         _reduce_in_order(ufunc, parts, mine[mine_lo:mine_hi])
         arena.sync()
         for q in range(p):
-            np.copyto(chunk[bounds[q] : bounds[q + 1]], slots[q][bounds[q] : bounds[q + 1]])
+            chunk[bounds[q] : bounds[q + 1]] = slots[q][bounds[q] : bounds[q + 1]]
 
 
 def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None:
-    p, r, dtype = arena.size, arena.rank, out.dtype
-    per_block = max(1, arena.half // (dtype.itemsize * p))
+    p, r = arena.size, arena.rank
+    per_block = max(1, arena.half // (out.itemsize * p))
     longest = max(x.size for x in ins)
     others = [j for j in range(p) if j != r]
     for lo in range(0, longest, per_block):
-        halves = arena.next_half()
-        mine = _view(halves[r], dtype, p * per_block)
+        slots = arena.next_half(out.dtype)
+        mine = slots[r]
         for q in others:
             block = ins[q][lo : lo + per_block]
-            np.copyto(mine[q * per_block : q * per_block + block.size], block)
+            mine[q * per_block : q * per_block + block.size] = block
         arena.sync()
         own = ins[r][lo : lo + per_block]
         m = own.size
         if m == 0:
             continue
         start = r * per_block
-        theirs = [_view(halves[j], dtype, p * per_block)[start : start + m] for j in others]
+        theirs = [slots[j][start : start + m] for j in others]
         # own first: the output may be the input's memory
         _reduce_in_order(ufunc, [own, *theirs], out[lo : lo + m])
 
 
 def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
-    r, dtype = arena.rank, src.dtype
-    per_round = max(1, arena.half // dtype.itemsize)
+    r = arena.rank
+    per_round = max(1, arena.half // src.itemsize)
     longest = max(o.size for o in outs)
     for lo in range(0, longest, per_round):
-        halves = arena.next_half()
+        slots = arena.next_half(src.dtype)
         piece = src[lo : lo + per_round]
-        np.copyto(halves[r][: piece.nbytes], byte_view(piece))
+        slots[r][: piece.size] = piece
         arena.sync()
         for q, out in enumerate(outs):
-            if q == r:
-                continue
-            dest = out[lo : lo + per_round]
-            np.copyto(dest, _view(halves[q], dtype, dest.size))
+            if q != r:
+                dest = out[lo : lo + per_round]
+                dest[...] = slots[q][: dest.size]
 
 
 def broadcast(arena, data: np.ndarray, src: int) -> None:
     raw = byte_view(data)
     for lo in range(0, raw.size, arena.half):
-        halves = arena.next_half()
+        slots = arena.next_half(raw.dtype)
         piece = raw[lo : lo + arena.half]
         if arena.rank == src:
-            np.copyto(halves[src][: piece.size], piece)
+            slots[src][: piece.size] = piece
         arena.sync()
         if arena.rank != src:
-            np.copyto(piece, halves[src][: piece.size])
+            piece[...] = slots[src][: piece.size]
 
 
 def barrier(arena) -> None:
