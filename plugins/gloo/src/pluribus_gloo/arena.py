@@ -85,6 +85,7 @@ class Arena:
         self.call_seq = 0
         self.call_code = 0
         self.call_count = 0
+        self.unchecked = False
 
     # -- what a collective uses
     def begin(self, seq: int, kind: int, dtype: int, opcode: int, count: int) -> None:
@@ -96,6 +97,7 @@ class Arena:
         c[m + ANN_COUNT] = count
         c[m + ANN_SEQ] = seq
         self.call_seq, self.call_code, self.call_count = seq, code, count
+        self.unchecked = True
 
     def next_half(self, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's half for the next round, as whole arrays of ``dtype`` (views made once
@@ -116,19 +118,38 @@ class Arena:
             if c[peer * WORDS_PER_RANK + SLEEPING]:
                 c[peer * WORDS_PER_RANK + SLEEPING] = 0
                 engine.ring_doorbell(engine.links[self.world_ranks[peer]])
-        if self._arrived():
+        if self._arrived() or self._spin():
+            if self.unchecked:
+                self._check_after_arrival()
             return
-        if self.spin:
-            deadline = time.monotonic() + self.spin
-            while time.monotonic() < deadline:
-                if self._arrived():
-                    return
         op = Op(self._describe, {self.world_ranks[p] for p in self.peers}, True)
         op.pending = 1
         for peer in op.members:
             op.waiting_on[peer] = 1
         op.poll = self._poll
         engine.wait(op, self.timeout)
+        if self.unchecked:
+            self._check_after_arrival()
+
+    def _spin(self) -> bool:
+        if not self.spin:
+            return False
+        deadline = time.monotonic() + self.spin
+        while time.monotonic() < deadline:
+            if self._arrived():
+                return True
+        return False
+
+    def _check_after_arrival(self) -> None:
+        """Every peer has published the first phase of this call, so each has announced it (or
+        moved past it, which it does only after checking ours)."""
+        self.unchecked = False
+        error = self._mismatch()
+        if error is not None:
+            engine = self.engine
+            with engine.mutex:
+                engine._fail(error, "mismatch", -1)
+            raise error
 
     # -- waiting
     def _arrived(self) -> bool:
@@ -144,10 +165,13 @@ class Arena:
         if self._arrived():
             op.pending = 0
             return True
-        self._check_announcements()
+        error = self._mismatch()
+        if error is not None:
+            self.engine._fail(error, "mismatch", -1)
         return False
 
-    def _check_announcements(self) -> None:
+    def _mismatch(self) -> CollectiveMismatchError | None:
+        """The error to raise when a peer announced another collective under our number."""
         c, seq = self.control, self.call_seq
         for peer in self.peers:
             base = peer * WORDS_PER_RANK
@@ -160,14 +184,13 @@ class Arena:
                 continue
             theirs = _describe_code(code, count)
             mine = _describe_code(self.call_code, self.call_count)
-            error = CollectiveMismatchError(
+            return CollectiveMismatchError(
                 f"rank {self.rank}: collective mismatch in {self._describe()}: rank {peer} "
                 f"called {theirs} as its collective #{seq} while rank {self.rank} called {mine} "
                 f"as #{seq}; every rank of a group must call the same collectives in the same "
                 "order, with the same dtype, sizes and op"
             )
-            self.engine._fail(error, "mismatch", -1)
-            return
+        return None
 
     def _describe(self) -> str:
         what = _describe_code(self.call_code, self.call_count)
