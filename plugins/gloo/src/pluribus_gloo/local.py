@@ -8,7 +8,8 @@ peers' slots directly with numpy (``out=`` into the destination, no staging buff
 - all-reduce, large: per round of one half's worth of elements, split into ``p`` parts, a rank
   copies the ``p - 1`` parts it does not own into its slot, reduces its own part straight out of
   its input and the peers' slots into its slot, then copies every rank's reduced part into its
-  array (a reduce-scatter then an all-gather, 2 - 1/p copies per byte beside the reduction);
+  array (a reduce-scatter then an all-gather, 2 - 1/p copies per byte beside the reduction),
+  with the rounds pipelined so that one sync serves three of them;
 - reduce-scatter: the same first half; all-gather: one copy in, one copy out per byte;
   broadcast: the root copies in, the others copy out; barrier: one phase.
 
@@ -56,25 +57,56 @@ def _all_reduce_one_shot(arena, data: np.ndarray, ufunc) -> None:
 
 
 def _all_reduce_two_phase(arena, data: np.ndarray, ufunc) -> None:
+    """Reduce-scatter + all-gather in rounds, software-pipelined: in one phase a rank copies out
+    round ``k - 2``, reduces its part of round ``k - 1`` and copies in round ``k``, so ``K`` rounds
+    take ``K + 1`` syncs. Part ``q`` of every round lives in region ``q`` of each half, so the
+    copy-in of round ``k`` (the regions a rank does not own) never touches what its peers read in
+    the copy-out of round ``k - 2`` (the region it owns) in the same phase."""
     p, r = arena.size, arena.rank
-    per_round = arena.half // data.itemsize
-    for lo in range(0, data.size, per_round):
-        chunk = data[lo : lo + per_round]
-        m = chunk.size
-        bounds = chunk_bounds(m, p)
-        mine_lo, mine_hi = bounds[r], bounds[r + 1]
-        slots = arena.next_half(data.dtype)
-        mine = slots[r]
-        if mine_lo:
-            mine[:mine_lo] = chunk[:mine_lo]
-        if mine_hi < m:
-            mine[mine_hi:m] = chunk[mine_hi:]
-        arena.sync()
-        parts = [chunk[mine_lo:mine_hi] if j == r else slots[j][mine_lo:mine_hi] for j in range(p)]
-        _reduce_in_order(ufunc, parts, mine[mine_lo:mine_hi])
-        arena.sync()
-        for q in range(p):
-            chunk[bounds[q] : bounds[q + 1]] = slots[q][bounds[q] : bounds[q + 1]]
+    region = arena.half // (p * data.itemsize)
+    per_round = region * p
+    starts = list(range(0, data.size, per_round))
+    rounds: list = [None] * len(starts)
+    for phase in range(len(starts) + 2):
+        if phase >= 2:
+            _copy_out(rounds[phase - 2], region, p)
+            rounds[phase - 2] = None
+        if 1 <= phase <= len(starts):
+            _reduce_own_part(rounds[phase - 1], region, r, p, ufunc)
+        if phase < len(starts):
+            chunk = data[starts[phase] : starts[phase] + per_round]
+            rounds[phase] = _copy_in(arena, chunk, region, r, p)
+        if phase <= len(starts):
+            arena.sync()
+
+
+def _copy_in(arena, chunk: np.ndarray, region: int, r: int, p: int):
+    """Copy the parts of ``chunk`` that the peers reduce into their regions of this rank's half."""
+    slots = arena.next_half(chunk.dtype)
+    bounds = chunk_bounds(chunk.size, p)
+    mine = slots[r]
+    for q in range(p):
+        if q != r:
+            lo, hi = bounds[q], bounds[q + 1]
+            mine[q * region : q * region + hi - lo] = chunk[lo:hi]
+    return chunk, bounds, slots
+
+
+def _reduce_own_part(state, region: int, r: int, p: int, ufunc) -> None:
+    """Reduce part ``r`` (in rank order) into region ``r`` of this rank's half."""
+    chunk, bounds, slots = state
+    lo, hi = bounds[r], bounds[r + 1]
+    at = r * region
+    parts = [chunk[lo:hi] if j == r else slots[j][at : at + hi - lo] for j in range(p)]
+    _reduce_in_order(ufunc, parts, slots[r][at : at + hi - lo])
+
+
+def _copy_out(state, region: int, p: int) -> None:
+    """Copy every rank's reduced part (region ``q`` of rank ``q``'s half) into the chunk."""
+    chunk, bounds, slots = state
+    for q in range(p):
+        lo, hi = bounds[q], bounds[q + 1]
+        chunk[lo:hi] = slots[q][q * region : q * region + hi - lo]
 
 
 def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None:
