@@ -3,7 +3,8 @@
 Each rank copies what its peers need into its own slot once, and every rank then reads its
 peers' slots directly with numpy (``out=`` into the destination, no staging buffer, no message):
 
-- all-reduce, small: every rank copies its array into its slot, then reduces all slots in rank
+- all-reduce, small (all copies together up to ``ONE_SHOT_BYTES``): every rank copies its
+  array into its slot, then reduces all slots in rank
   order (every rank computes every element, in the same order, so all get identical results);
 - all-reduce, large: per round of one half's worth of elements, split into ``p`` parts, a rank
   copies the ``p - 1`` parts it does not own into its slot, reduces its own part straight out of
@@ -25,9 +26,11 @@ import numpy as np
 from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view
 
-#: At or below this size (and one half) an all-reduce reduces whole arrays in one phase; above,
-#: it reduces one part per rank and gathers the parts (half the reduction work, one more phase).
-ONE_SHOT_BYTES = int(os.environ.get("PLURIBUS_GLOO_ONE_SHOT_BYTES", 128 << 10))
+#: An all-reduce whose ``p`` copies together take at most this many bytes reduces whole arrays
+#: in one phase (every rank reads them all); above, each rank reduces one part and gathers the
+#: parts (a ``p``-th of the reading, one more sync). Measured on 2 cores: one phase wins up to
+#: 512 KiB at 2 ranks and 256 KiB at 4 (benchmarks/gloo_arena_tuning.py).
+ONE_SHOT_BYTES = int(os.environ.get("PLURIBUS_GLOO_ONE_SHOT_BYTES", 1 << 20))
 
 
 def _reduce_in_order(ufunc, parts: list[np.ndarray], out: np.ndarray) -> None:
@@ -39,7 +42,7 @@ def _reduce_in_order(ufunc, parts: list[np.ndarray], out: np.ndarray) -> None:
 
 
 def all_reduce(arena, data: np.ndarray, ufunc) -> None:
-    if data.nbytes <= ONE_SHOT_BYTES and data.nbytes <= arena.half:
+    if data.nbytes * arena.size <= ONE_SHOT_BYTES and data.nbytes <= arena.half:
         _all_reduce_one_shot(arena, data, ufunc)
     else:
         _all_reduce_two_phase(arena, data, ufunc)
