@@ -248,6 +248,11 @@ def _every_collective(sub_ranks: list[int]) -> dict:
                 pb.broadcast(b, src=members[root], group=group)
                 assert (b == root).all()
             pb.barrier(group=group)
+    if rank in sub_ranks:
+        engine = sub.backends["cpu"].engine
+        before = len(engine.arenas)
+        pb.destroy_process_group(sub)
+        report["released"] = len(engine.arenas) == before - 1
     return report
 
 
@@ -267,6 +272,7 @@ def test_gloo_arena_collectives_on_processes(world, sub_ranks):
         assert report["world"], "every rank is on this host: the world uses an arena"
         if rank in sub_ranks:
             assert report["sub"], "so does a sub-group of them"
+            assert report["released"], "destroying the sub-group unmaps its arena"
 
 
 def _uses_arena() -> bool:

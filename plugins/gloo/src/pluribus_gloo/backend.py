@@ -602,7 +602,14 @@ class GlooBackend(Backend):
 
     def close(self) -> None:
         if self.owner:
-            self.engine.close()
+            self.engine.close()  # closes every group's arena
+        elif self.arena is not None:
+            engine, arena = self.engine, self.arena
+            self.arena = None
+            with engine.mutex:
+                if arena in engine.arenas:
+                    engine.arenas.remove(arena)
+                    arena.close()
 
 
 _ufuncs: dict = {}
