@@ -17,6 +17,8 @@ Each *round* of a collective starts with a write into one half and a publish, an
 reads of that half; the next round uses the other half. A rank writes into a half only after every
 peer has published the first phase of the round in between, which it does only after finishing
 its reads of the round before: two halves are enough, and no rank ever waits for "done reading".
+(The pipelined all-reduce in :mod:`pluribus_gloo.local` reads one round while it writes the
+round after next into the same half, on regions that do not overlap.)
 
 The segment is created by the group's rank 0 and named to the others through the group's store;
 rank 0 unlinks it as soon as everyone has mapped it (or failed to), so it never outlives the

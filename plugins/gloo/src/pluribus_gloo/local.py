@@ -4,17 +4,17 @@ Each rank copies what its peers need into its own slot once, and every rank then
 peers' slots directly with numpy (``out=`` into the destination, no staging buffer, no message):
 
 - all-reduce, small (all copies together up to ``ONE_SHOT_BYTES``): every rank copies its
-  array into its slot, then reduces all slots in rank
-  order (every rank computes every element, in the same order, so all get identical results);
+  array into its slot, then reduces all slots in rank order (every rank computes every element,
+  in the same order, so all get identical results);
 - all-reduce, large: per round of one half's worth of elements, split into ``p`` parts, a rank
   copies the ``p - 1`` parts it does not own into its slot, reduces its own part straight out of
   its input and the peers' slots into its slot, then copies every rank's reduced part into its
   array (a reduce-scatter then an all-gather, 2 - 1/p copies per byte beside the reduction),
-  with the rounds pipelined so that one sync serves three of them;
+  with the rounds pipelined so that ``K`` rounds take ``K + 1`` syncs;
 - reduce-scatter: the same first half; all-gather: one copy in, one copy out per byte;
   broadcast: the root copies in, the others copy out; barrier: one phase.
 
-Every round takes one or two :meth:`Arena.sync` phases; :mod:`pluribus_gloo.arena` explains why
+Every round ends its writes with an :meth:`Arena.sync`; :mod:`pluribus_gloo.arena` explains why
 two halves per slot are enough.
 """
 
