@@ -52,7 +52,7 @@ class _FakeEngine:
     def _fail(self, error, code, origin):
         self.failed = self.failed or error
 
-    def ring_doorbell(self, link):
+    def _ring_doorbell(self, link):
         pass
 
     def wait(self, op: Op, timeout: float):

@@ -119,7 +119,7 @@ class Arena:
         for peer in self.peers:
             if c[peer * WORDS_PER_RANK + SLEEPING]:
                 c[peer * WORDS_PER_RANK + SLEEPING] = 0
-                engine.ring_doorbell(engine.links[self.world_ranks[peer]])
+                engine._ring_doorbell(engine.links[self.world_ranks[peer]])
         if self._arrived() or self._spin():
             if self.unchecked:
                 self._check_after_arrival()

@@ -409,10 +409,10 @@ class Engine:
             moved = True
         if moved and ring.control[READER_WAITING]:
             ring.control[READER_WAITING] = 0
-            self.ring_doorbell(link)
+            self._ring_doorbell(link)
         return moved
 
-    def ring_doorbell(self, link: Link) -> None:
+    def _ring_doorbell(self, link: Link) -> None:
         try:
             link.sock.send(_DOORBELL)
         except OSError:
@@ -470,7 +470,7 @@ class Engine:
                         break  # forward what just arrived while it is still in cache
         if moved and ring.control[WRITER_WAITING]:
             ring.control[WRITER_WAITING] = 0
-            self.ring_doorbell(link)
+            self._ring_doorbell(link)
         return moved
 
     def _sock_send(self, link: Link) -> bool:
