@@ -2,7 +2,8 @@
 alternated with the others in one world so that all see the same machine load:
 
 - ``--experiment spin``: how a waiting rank polls the flags: a pure spin of a given length
-  against the shipped poll (yield the CPU every other poll);
+  against the shipped poll (yield the CPU every other poll for 100 µs) and against waiting in
+  the engine at once (``engine``; the shipped choice when the host runs more ranks than cores);
 - ``--experiment one-shot``: where an all-reduce switches from reducing whole arrays in one
   phase to reduce-scatter + all-gather.
 
@@ -42,6 +43,8 @@ def _apply(setting: str, arena, arena_mod, local, shipped) -> None:
         local.ONE_SHOT_BYTES = 1 << 40
     elif setting == "two-phase":
         local.ONE_SHOT_BYTES = 0
+    elif setting == "engine":
+        arena.spin = 0.0  # straight to the engine's wait (what ranks > cores get)
     elif setting != "yield":
         arena_mod.Arena._spin = _pure_spin
         arena.spin = float(setting) / 1e6
@@ -88,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.experiment == "spin":
-        settings = ["yield", *args.pure.split(",")]
+        settings = ["yield", "engine", *args.pure.split(",")]
     else:
         settings = ["one-shot", "two-phase"]
     print(f"# load before: {os.getloadavg()}")
