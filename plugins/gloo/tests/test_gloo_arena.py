@@ -178,6 +178,21 @@ def test_arena_mismatch_is_found_even_without_waiting():
         assert f"rank {1 - r} called" in message, message
 
 
+def test_arena_broadcast_roots_must_agree():
+    a, b = _thread_arenas(2, 4096)
+
+    def rank_fn(arena, r):
+        arena.begin(1, 3, 11, 0, 100, root=r)  # each rank thinks it is the root
+        try:
+            local.broadcast(arena, np.zeros(100, dtype=np.float32), r)
+        except CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    for message in _in_threads([a, b], rank_fn):
+        assert "root 0" in message and "root 1" in message, message
+
+
 def _setup(ranks_ok: list[bool]):
     """Run the store agreement on threads; return each rank's arena (or None)."""
     size = len(ranks_ok)

@@ -90,10 +90,12 @@ class Arena:
         self.unchecked = False
 
     # -- what a collective uses
-    def begin(self, seq: int, kind: int, dtype: int, opcode: int, count: int) -> None:
+    def begin(
+        self, seq: int, kind: int, dtype: int, opcode: int, count: int, root: int = -1
+    ) -> None:
         """Announce the collective this rank now runs (checked by peers while they wait)."""
         c, m = self.control, self.mine
-        code = kind | dtype << 8 | opcode << 16
+        code = kind | dtype << 8 | opcode << 16 | (root + 1) << 24
         c[m + ANN_SEQ] = 0  # the seqlock: readers skip an announcement being rewritten
         c[m + ANN_CODE] = code
         c[m + ANN_COUNT] = count
@@ -221,7 +223,9 @@ class Arena:
 
 
 def _describe_code(code: int, count: int) -> str:
-    return wire.describe(code & 0xFF, code >> 8 & 0xFF, code >> 16 & 0xFF, count)
+    what = wire.describe(code & 0xFF, code >> 8 & 0xFF, code >> 16 & 0xFF, count)
+    root = (code >> 24) - 1
+    return what if root < 0 else f"{what[:-1]}, root {root})"
 
 
 def wanted(options: dict) -> bool:

@@ -170,7 +170,9 @@ class GlooBackend(Backend):
             self.arena = arena
             self.engine.arenas.append(arena)
 
-    def _arena_call(self, kind: int, dtype: np.dtype, op: ReduceOp | None, count: int):
+    def _arena_call(
+        self, kind: int, dtype: np.dtype, op: ReduceOp | None, count: int, root: int = -1
+    ):
         """Announce a collective on the arena; returns the reduction's ufunc."""
         if self.engine.failed is not None:
             raise _same_error(self.engine.failed)
@@ -185,7 +187,7 @@ class GlooBackend(Backend):
                 ufunc,
             )
         self.seq += 1
-        self.arena.begin(self.seq, kind, last[2], last[3], count)
+        self.arena.begin(self.seq, kind, last[2], last[3], count, root)
         return last[4]
 
     def next_seq(self) -> int:
@@ -338,7 +340,7 @@ class GlooBackend(Backend):
         if p == 1:
             return
         if self.arena is not None:
-            self._arena_call(wire.BROADCAST, array.dtype, None, array.size)
+            self._arena_call(wire.BROADCAST, array.dtype, None, array.size, src)
             local.broadcast(self.arena, flat(array), src)
             return
         data = byte_view(array)
