@@ -7,8 +7,8 @@ whose path hashes to 0 mod 10 are held out, the rest are for training. A "datase
 set of windows drawn from the training text; each epoch the ranks split it with
 ``DistributedSampler``. Every epoch prints the training loss, the held-out loss (next to the
 loss of a unigram model, the baseline to beat) and tokens/s; at the end rank 0 samples some
-code. Rank 0 saves a checkpoint after every epoch; ``--resume`` or a restart by
-``pluribus-run --max-restarts`` continues from it.
+code. After every epoch the ranks save a checkpoint together (``pluribus.checkpoint``);
+``--resume`` or a restart by ``pluribus-run --max-restarts`` continues from the newest.
 
 ``--parallel`` picks how the model is spread over the ranks (``ddp``, or ``fsdp``: each block
 fully sharded; the later layers join this flag), ``--preset`` the model size (``10M`` and
@@ -34,9 +34,11 @@ if _RANKS_HERE > 1:
 
 import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
-from pluribus import nn  # noqa: E402
+from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
+from pluribus.dtensor import DTensor  # noqa: E402
 from pluribus.parallel import DistributedDataParallel, FullyShardedDataParallel  # noqa: E402
+from pluribus.parallel.fsdp import load_optim_state_dict, optim_state_dict  # noqa: E402
 
 VOCAB = 128  # ASCII; any other character reads as "?"
 PARALLEL = ["ddp", "fsdp", "none"]  # pipeline, tensor and their combinations join here
@@ -177,31 +179,49 @@ def warmup_then_cosine(warmup: int, total: int):
 # -- checkpoints -----------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, model, opt, scheduler, epoch: int) -> None:
-    """Write atomically (temp file, then rename) so a crash never leaves half a checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"model/{k}": _host(v) for k, v in model.state_dict().items()}
-    arrays.update({f"optim/{k}": _host(v) for k, v in opt.state_dict().items()})
-    arrays["scheduler/last_epoch"] = np.array(scheduler.last_epoch)
-    arrays["epoch"] = np.array(epoch)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+def checkpoint_state(runner, opt, scheduler, epoch: int, sharded: bool) -> dict:
+    """What a checkpoint holds; every rank passes its own state (cupy arrays too): whole
+    arrays under ddp (each written once), its rows as DTensors under fsdp."""
+    return {
+        "model": runner.state_dict(),
+        "optim": optim_state_dict(runner, opt) if sharded else opt.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+    }
 
 
-def restore_checkpoint(path: Path | None, model, opt, scheduler) -> int:
-    """Load the checkpoint rank 0 sees into every rank; return the epoch to start from."""
-    state = None
-    if pluribus.get_rank() == 0 and path is not None and path.exists():
-        with np.load(path) as saved:
-            state = {k: saved[k] for k in saved.files}
-    state = pluribus.broadcast_object(state, src=0)
-    if state is None:
+def restore_checkpoint(
+    manager: checkpoint.CheckpointManager | None, runner, opt, scheduler, sharded: bool
+) -> int:
+    """Load the newest complete checkpoint into every rank; return the epoch to start from."""
+    step = manager.latest_step() if manager is not None else None
+    if step is None:
         return 0
-    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model/")})
-    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim/")})
-    scheduler.last_epoch = int(state["scheduler/last_epoch"])
+    if sharded:  # each rank reads its rows, whatever the world size that saved them
+        state = checkpoint_state(runner, opt, scheduler, 0, sharded=True)
+        # the optimizer has no state before its first step: AdamW's, in its parameter's layout
+        optim = state["optim"]["state"]
+        for name in optim:
+            param = state["model"][name]
+            optim[name] = {"exp_avg": _zeros_like(param), "exp_avg_sq": _zeros_like(param)}
+            optim[name]["step"] = 0
+        checkpoint.load(state, manager.path(step))
+        runner.load_state_dict(state["model"])
+        load_optim_state_dict(runner, opt, state["optim"])
+        scheduler.load_state_dict(state["scheduler"])
+        return int(state["epoch"])
+    state = checkpoint.read_whole(manager.path(step))  # the optimizer has no state to fill yet
+    runner.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim.")})
+    scheduler.load_state_dict({"last_epoch": state["scheduler.last_epoch"],
+                               "base_lrs": state["scheduler.base_lrs"]})  # fmt: skip
     return int(state["epoch"])
+
+
+def _zeros_like(tensor: DTensor) -> DTensor:
+    zeros = tensor.to_local().copy()
+    zeros[...] = 0
+    return DTensor(zeros, tensor.device_mesh, tensor.layout)
 
 
 def _host(array):
@@ -258,15 +278,15 @@ def train(args: argparse.Namespace) -> dict:
         opt, warmup_then_cosine(args.warmup_steps, args.epochs * steps_per_epoch)
     )
     loss_fn = nn.CrossEntropyLoss()
-    ckpt = Path(args.checkpoint_dir) / "gpt.npz" if args.checkpoint_dir else None
-    if args.parallel == "fsdp":
-        ckpt = (
-            None  # the .npz checkpoint holds whole arrays; sharded ones go to pluribus.checkpoint
-        )
+    ckpt = None
+    if args.checkpoint_dir:
+        ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
+    sharded = args.parallel == "fsdp"
+    state_of = model if args.parallel == "ddp" else runner  # ddp: the module's own names
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
     start_epoch = 0
     if args.resume or restarts > 0:
-        start_epoch = restore_checkpoint(ckpt, model, opt, scheduler)  # lrs come with opt
+        start_epoch = restore_checkpoint(ckpt, state_of, opt, scheduler, sharded)
     if rank == 0:
         print(
             f"{described} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
@@ -276,7 +296,8 @@ def train(args: argparse.Namespace) -> dict:
             flush=True,
         )
         if start_epoch:
-            print(f"resuming from {ckpt} at epoch {start_epoch} (restart {restarts})", flush=True)
+            where = ckpt.path(start_epoch)
+            print(f"resuming from {where} at epoch {start_epoch} (restart {restarts})", flush=True)
 
     history: dict = {"losses": [], "held_out": [], "tokens_per_s": []}
     tokens_per_step = world * args.batch_size * block
@@ -310,8 +331,8 @@ def train(args: argparse.Namespace) -> dict:
                 f"(unigram {baseline:.3f}), {rate:,.0f} tokens/s, {elapsed:.1f}s",
                 flush=True,
             )
-            if ckpt is not None:
-                save_checkpoint(ckpt, model, opt, scheduler, epoch + 1)
+        if ckpt is not None:  # every rank takes part
+            ckpt.save(epoch + 1, checkpoint_state(state_of, opt, scheduler, epoch + 1, sharded))
     if not history["held_out"]:  # nothing left to train: report the restored model
         history["held_out"].append(evaluate(model, held_out, args.batch_size, xp))
     sample = ""

@@ -295,10 +295,13 @@ def test_a_dead_worker_fails_pending_calls_at_once():
 
     def main(rank):
         if rank == 1:
-            time.sleep(0.2)
             from pluribus.rpc.api import current_agent
 
             agent = current_agent()
+            deadline = time.monotonic() + 10
+            while not agent._connections and time.monotonic() < deadline:
+                time.sleep(0.01)  # until w0's call has come in
+            time.sleep(0.2)
             for connection in list(agent._connections):  # vanish without a goodbye
                 connection.sock.shutdown(2)
             return None
