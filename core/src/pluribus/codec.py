@@ -19,6 +19,7 @@ references).
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -237,8 +238,18 @@ def _dtype_name(dtype: np.dtype) -> str:
     return "bfloat16" if dtype == bfloat16_dtype() else dtype.str
 
 
+#: The dtype names ``encode`` writes (``dtype.str``: byte order, kind, size, a datetime unit).
+#: Nothing else reaches ``np.dtype``, whose string parser accepts far more than names.
+_DTYPE_NAME = re.compile(r"[<>|=][biufcmMSUV][0-9]{1,5}(\[[0-9]*[a-zA-Z]{1,3}\])?")
+
+
 def _dtype(name: str) -> np.dtype:
-    dtype = bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
+    if name == "bfloat16":
+        dtype = bfloat16_dtype()
+    elif isinstance(name, str) and _DTYPE_NAME.fullmatch(name):
+        dtype = np.dtype(name)
+    else:
+        dtype = None
     if dtype is None or dtype.hasobject:
-        raise ValueError(f"dtype {name!r} cannot be received")
+        raise ValueError(f"dtype {str(name)[:40]!r} cannot be received")
     return dtype
