@@ -309,3 +309,12 @@ def test_every_value_that_can_travel_arrives_unchanged(value, no_unpickling):
     description, pieces = wire.encode_body(value, "test")
     heap = np.frombuffer(b"".join(bytes(p) for p in pieces), dtype=np.uint8)
     assert _same(value, wire.decode_body(description, heap))
+
+
+@pytest.mark.parametrize("name", ["08", "(2,3)f8", "f8,i4", "|O8", "O", "object", 7, None])
+def test_a_forged_dtype_name_is_a_frame_error(name, no_unpickling):
+    """np.dtype parses much more than names (shapes with a literal parser, field lists): only
+    names of the form the sender writes reach it (found by the fuzzer above)."""
+    description = json.dumps({"array": [name, [1], 0, 8]}).encode()
+    with pytest.raises(wire.FrameError, match="cannot be received"):
+        wire.decode_body(description, bytes(8))
