@@ -29,7 +29,7 @@ from typing import Any
 
 from pluribus.arrays import byte_view
 from pluribus.errors import DistTimeoutError, PeerError, PluribusError
-from pluribus.lifeline import tell
+from pluribus.lifeline import MAX_LINE, tell
 from pluribus.store import AUTH_TOKEN_ENV
 from pluribus.tcp_mesh import connect_mesh
 
@@ -320,6 +320,8 @@ class Transport:
                 self.aborted_peers.setdefault(peer, said)
             elif line.startswith(_BYE):
                 self.said_bye.setdefault(peer, time.monotonic())
+        if len(inbox) > MAX_LINE:
+            data, reason = b"", "its lifeline carried a malformed message"
         if data:
             return
         if peer not in self.said_bye and peer not in self.aborted_peers:
