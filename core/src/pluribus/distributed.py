@@ -6,9 +6,12 @@ group-local ones. Every argument is checked here, on the calling rank, before an
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pickle as _pickle
+import socket
 import threading
+import warnings
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -24,7 +27,7 @@ from .group import NON_GROUP_MEMBER, ProcessGroup
 from .lifeline import Lifeline
 from .operations import OPERATIONS
 from .plugins import default_backend, get_plugin_manager, resolve_backend
-from .store import DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
+from .store import AUTH_TOKEN_ENV, DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
 from .types import BackendContext, ReduceOp
 from .work import Work
 
@@ -141,10 +144,42 @@ def _rendezvous(
         return FileStore(url.path, timeout), rank, world_size
     else:
         raise ValueError(f"init_method {init_method!r}: use env://, tcp://host:port or file://path")
+    _take_secret(host)
     # The launcher may already serve the store; then rank 0 is a client like the others.
     served = env.get("PLURIBUS_STORE_SERVED") == "1"
     store = TCPStore(host, port, is_master=(rank == 0 and not served), timeout=timeout)
     return store, rank, world_size
+
+
+#: A job's shared secret for env:// and tcp:// jobs started without pluribus-run (which sets
+#: PLURIBUS_AUTH_TOKEN itself): the store, the gloo mesh and the lifelines all answer to it.
+SECRET_ENV = "PLURIBUS_SECRET"
+_warned_no_secret = False
+
+
+def _take_secret(host: str) -> None:
+    """Adopt ``PLURIBUS_SECRET`` as the job's auth token; warn once when a job without one
+    rendezvouses on an address other hosts can reach."""
+    global _warned_no_secret
+    env = os.environ
+    if env.get(SECRET_ENV) and not env.get(AUTH_TOKEN_ENV):
+        env[AUTH_TOKEN_ENV] = env[SECRET_ENV]
+    if env.get(AUTH_TOKEN_ENV) or _warned_no_secret or _is_loopback(host):
+        return
+    _warned_no_secret = True
+    warnings.warn(
+        f"this job rendezvouses on {host}, which other hosts can reach, without a shared "
+        f"secret: anyone who can connect can read and overwrite the store and pose as a rank. "
+        f"Set {SECRET_ENV} to the same random value on every rank (pluribus-run sets one)",
+        stacklevel=4,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def init_process_group(
