@@ -20,6 +20,7 @@ says so, so neither reads as a crash.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import select
 import socket
@@ -31,7 +32,7 @@ from pluribus.arrays import byte_view
 from pluribus.errors import DistTimeoutError, PeerError, PluribusError
 from pluribus.lifeline import MAX_LINE, tell
 from pluribus.store import AUTH_TOKEN_ENV
-from pluribus.tcp_mesh import connect_mesh
+from pluribus.tcp_mesh import connect_mesh, listen_address
 
 from .probe import load_ucxx, transports
 
@@ -92,7 +93,11 @@ class Transport:
         self.cuda_spin = float(options.get("ucc_cuda_spin_us", 20000.0)) * 1e-6
         self.spin_yield = bool(options.get("ucc_spin_yield", True))
         error_handling = bool(options.get("ucc_error_handling", False))
-        host = options.get("ucc_host") or os.environ.get("PLURIBUS_UCC_HOST", "127.0.0.1")
+        host = (
+            options.get("ucc_host")
+            or os.environ.get("PLURIBUS_UCC_HOST")
+            or listen_address(options)
+        )
         token = options.get("auth_token") or os.environ.get(AUTH_TOKEN_ENV)
 
         self.ucx = ucx = load_ucxx()
@@ -101,7 +106,7 @@ class Transport:
         self._array = Array
         self._tag = ucx.UCXXTag
         _prepare_cuda(options.get("ucc_cuda", "auto"))
-        config = {str(k): str(v) for k, v in dict(options.get("ucc_config", {})).items()}
+        config = _ucx_config(options, error_handling, host)
         self.context = ucx.UCXContext(config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self.worker = ucx.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
@@ -425,6 +430,30 @@ class Transport:
                     raise
         self.worker = None
         self.context = None
+
+
+def _ucx_config(options: dict, error_handling: bool, host: str) -> dict[str, str]:
+    """The UCX context's options: the user's ``ucc_config`` and UCX_* variables win; otherwise
+
+    - no CMA without UCX's error handling: CMA reads the peer's memory with process_vm_readv,
+      and UCX aborts the whole process when that peer has died, where the lifelines would have
+      turned the death into a PeerError; shared memory (posix, sysv) carries the data instead;
+    - a job whose ranks meet on loopback (one host) keeps UCX's network transports on loopback
+      too, so that no rank listens on the host's external addresses.
+    """
+    config = {str(k): str(v) for k, v in dict(options.get("ucc_config", {})).items()}
+    if not error_handling and "TLS" not in config and "UCX_TLS" not in os.environ:
+        config["TLS"] = "^cma"
+    if _is_loopback(host) and "NET_DEVICES" not in config and "UCX_NET_DEVICES" not in os.environ:
+        config["NET_DEVICES"] = "lo"
+    return config
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 _thread_devices = threading.local()
