@@ -20,7 +20,7 @@ import numpy as np
 
 from . import codec, plugins
 from .arrays import check_array, check_op, device_of
-from .backend import USER_TAG_LIMIT
+from .backend import USER_TAG_LIMIT, check_tag_budget
 from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
@@ -258,6 +258,7 @@ def _create_group(
                 options=options,
             )
             made[backend_name] = spec.create(ctx)
+            check_tag_budget(made[backend_name], rank)
         backends[device] = made[backend_name]
     lifeline = None
     if any(not backend.detects_failures for backend in made.values()):
@@ -344,6 +345,7 @@ def new_group(
                 device=device,
             )
             made[id(backend)] = backend.new_subgroup(members, ctx)
+            check_tag_budget(made[id(backend)], local)
         backends[device] = made[id(backend)]
     group = ProcessGroup(
         name, members, local, backends, seconds, parent.store, parent.gpu_staging, parent.lifeline

@@ -20,9 +20,10 @@ from pluribus.backend import COLLECTIVE_TAG, Backend
 from pluribus.errors import CollectiveMismatchError
 from pluribus.types import BackendContext, ReduceOp
 
-from .transport import SUBGROUP_SHIFT, Transport
+from .transport import MAX_TAG, SUBGROUP_SHIFT, Transport
 
-#: Tags of this backend's own collectives: above the core's collective tag, below 2**25.
+#: Tags of this backend's own collectives: above the core's collective tag, below 2**25 (the
+#: core's tag budget).
 NATIVE_TAG = COLLECTIVE_TAG + 1
 MAX_NATIVE_TAGS = (1 << 24) - 1
 
@@ -61,6 +62,7 @@ class UccBackend(Backend):
     name = "ucc"
     detects_failures = True  # its own dead-peer detection and timeouts
     devices = ("cpu", "cuda")
+    max_tag = MAX_TAG
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from pluribus.arrays import byte_view
+from pluribus.backend import SUBGROUP_TAG_SHIFT
 from pluribus.errors import DistTimeoutError, PeerError, PluribusError
 from pluribus.lifeline import MAX_LINE, tell
 from pluribus.store import AUTH_TOKEN_ENV
@@ -36,12 +37,14 @@ from pluribus.tcp_mesh import connect_mesh, listen_address
 
 from .probe import load_ucxx, transports
 
-# A UCX tag is 64 bits: [source rank: 20][sub-group tag space: 19][tag within the space: 25].
-# pluribus tags are a user tag (< 2**24), the core's collective tag (2**24) or this backend's
-# native-collective tags (2**24 + 1 + i), plus ``k << 40`` for sub-group ``k``. Putting the source
-# in the tag lets one worker-wide receive match exactly one peer's messages.
-SRC_BITS, SPACE_BITS, LOW_BITS = 20, 19, 25
-SUBGROUP_SHIFT = 40
+# A UCX tag is 64 bits: [source rank: 19][sub-group tag space: 19][tag within the space: 26].
+# pluribus tags follow the core's tag budget (pluribus.backend: every tag of a group below
+# 2**26, ``k << 40`` for sub-group ``k``). Putting the source in the tag lets one worker-wide
+# receive match exactly one peer's messages.
+SRC_BITS, SPACE_BITS, LOW_BITS = 19, 19, 26
+SUBGROUP_SHIFT = SUBGROUP_TAG_SHIFT
+#: The largest pluribus tag this layout carries (declared to the core as ``max_tag``).
+MAX_TAG = (((1 << SPACE_BITS) - 1) << SUBGROUP_SHIFT) | ((1 << LOW_BITS) - 1)
 _LOW_MASK = (1 << SUBGROUP_SHIFT) - 1
 
 _BYE, _ABORT = b"B", b"A"
