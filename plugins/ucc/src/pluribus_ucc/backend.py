@@ -37,9 +37,13 @@ DEFAULT_CUDA_SEGMENT_BYTES = 16 << 20
 DEFAULT_SMALL_BYTES = 64 << 10
 
 
-def _keeps_buffers_on_failure(method):
+def _keeps_buffers_on_failure(method, collective: bool = False):
     """On an error, hand every request the call posted to the transport, still in flight or not,
-    so that their buffers outlive anything UCX may still write into them."""
+    so that their buffers outlive anything UCX may still write into them.
+
+    A collective that fails on this rank after it posted anything has left its peers out of
+    step (they may have received half of it, and its messages would match their next call):
+    the transport is aborted, which tells every peer, and every later call fails."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
@@ -47,13 +51,23 @@ def _keeps_buffers_on_failure(method):
         mark = len(posted)
         try:
             return method(self, *args, **kwargs)
-        except BaseException:
-            self.t.bury(posted[mark:])
+        except BaseException as exc:
+            sent = posted[mark:]
+            self.t.bury(sent)
+            if collective and sent:
+                self.t.abort(
+                    f"rank {self.t.rank}: {method.__name__} failed after it had started "
+                    f"exchanging messages ({type(exc).__name__}: {exc})"
+                )
             raise
         finally:
             del posted[mark:]
 
     return run
+
+
+def _collective(method):
+    return _keeps_buffers_on_failure(method, collective=True)
 
 
 class UccBackend(Backend):
@@ -164,7 +178,7 @@ class UccBackend(Backend):
         self._wait(ops, f"sendrecv with ranks {dst}/{src}", (dst, src))
 
     # -- collectives -------------------------------------------------------------------------------
-    @_keeps_buffers_on_failure
+    @_collective
     def all_reduce(self, array: Any, op: ReduceOp) -> None:
         p = self.size
         if p > 1:
@@ -234,7 +248,7 @@ class UccBackend(Backend):
             recvs = following
         self._wait(sends, what)
 
-    @_keeps_buffers_on_failure
+    @_collective
     def broadcast(self, array: Any, src: int) -> None:
         p = self.size
         if p == 1:
@@ -256,7 +270,7 @@ class UccBackend(Backend):
                 sends += [self._send(segs[j], child, NATIVE_TAG + j) for child in children]
         self._wait(sends, what)
 
-    @_keeps_buffers_on_failure
+    @_collective
     def all_gather(self, outputs: list, array: Any) -> None:
         p, r = self.size, self.rank
         byte_view(outputs[r])[...] = byte_view(array)
@@ -274,7 +288,7 @@ class UccBackend(Backend):
                 sends.append(self._send(outputs[(r - s - 1) % p], right, NATIVE_TAG + s + 1))
         self._wait(sends, "all_gather")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def reduce_scatter(self, output: Any, inputs: list, op: ReduceOp) -> None:
         p, r = self.size, self.rank
         if p == 1:
@@ -302,7 +316,7 @@ class UccBackend(Backend):
         del partial
         finish_average(output, op, p)
 
-    @_keeps_buffers_on_failure
+    @_collective
     def all_to_all(self, outputs: list, inputs: list) -> None:
         p, r = self.size, self.rank
         byte_view(outputs[r])[...] = byte_view(inputs[r])
@@ -313,7 +327,7 @@ class UccBackend(Backend):
         ops += [self._send(inputs[dst], dst, NATIVE_TAG) for dst in order]
         self._wait(ops, "all_to_all")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def gather(self, array: Any, outputs: list | None, dst: int) -> None:
         if self.rank != dst:
             self._ready(array)
@@ -325,7 +339,7 @@ class UccBackend(Backend):
         ops = [self._recv(outputs[s], s, NATIVE_TAG) for s in range(self.size) if s != dst]
         self._wait(ops, "gather")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def scatter(self, array: Any, inputs: list | None, src: int) -> None:
         if self.rank != src:
             self._ready(array)
@@ -338,7 +352,7 @@ class UccBackend(Backend):
         ops = [self._send(inputs[d], d, NATIVE_TAG) for d in range(self.size) if d != src]
         self._wait(ops, "scatter")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def barrier(self) -> None:
         import numpy as np
 
