@@ -77,12 +77,12 @@ def _rank_one_fails_after_sending() -> list[str]:
         try:
             pb.all_reduce(x)
             said.append("right" if np.all(x == WORLD) else f"wrong sum {x[0]}")
-        except RuntimeError:
-            said.append("injected")
-        except PluribusError as exc:
+        except PluribusError as exc:  # (a RuntimeError too)
             said.append(
                 "failed" if "rank 1" in str(exc) else f"failed without naming rank 1: {exc}"
             )
+        except RuntimeError:
+            said.append("injected")
     return said
 
 
@@ -98,8 +98,7 @@ def test_ucc_a_rank_local_error_after_sending_fails_the_group_everywhere():
         timeout=60,
         env={"PLURIBUS_TIMEOUT": "20"},
     )
-    assert results[1] == ["injected", "failed", "failed"], results
-    for rank in (0, 2, 3):
-        said = results[rank]
-        assert not any(s.startswith("wrong") for s in said), (rank, said)
-        assert said[-1] == "failed" and said.count("failed") >= 2, (rank, said)
+    assert results[1] == ["failed"] * 3, results
+    for rank in (0, 2, 3):  # the first call may complete where rank 1's part had arrived
+        assert results[rank][1:] == ["failed"] * 2, (rank, results[rank])
+        assert results[rank][0] in ("right", "failed"), (rank, results[rank])
