@@ -11,6 +11,7 @@ reduced, while segment ``j + 1`` is still on the wire. cupy arrays are handed to
 from __future__ import annotations
 
 import functools
+import struct
 import threading
 from typing import Any
 
@@ -97,6 +98,7 @@ class UccBackend(Backend):
             options.get("ucc_cuda_segment_bytes", DEFAULT_CUDA_SEGMENT_BYTES)
         )
         self.small_bytes = int(options.get("ucc_small_bytes", DEFAULT_SMALL_BYTES))
+        self.check_calls = _flag(options.get("ucc_check_calls", True))
         self.owns_transport = tag_space == 0
         self._posted = threading.local()
         self._buffers: dict[tuple[int, str], Any] = {}
@@ -191,6 +193,9 @@ class UccBackend(Backend):
         finish_average(array, op, p)
 
     def _all_reduce_doubling(self, data: Any, op: ReduceOp) -> None:
+        if self.check_calls and device_of(data) == "cpu":
+            self._all_reduce_doubling_checked(data, op)
+            return
         incoming = self._scratch(0, data, data.size)
         mask, level = 1, 0
         while mask < self.size:
@@ -203,6 +208,41 @@ class UccBackend(Backend):
             reduce_into(data, incoming, op)  # a op b == b op a: every rank gets the same bits
             self._ready(data)
             mask, level = mask << 1, level + 1
+
+    def _all_reduce_doubling_checked(self, data: Any, op: ReduceOp) -> None:
+        """Recursive doubling whose every message ends with the call's signature (see
+        :func:`_signature`): a peer that called another collective, dtype or op is a
+        CollectiveMismatchError on this rank (and, through the abort, on every rank)."""
+        import numpy as np
+
+        n = data.nbytes
+        signature = _signature("all_reduce", data.dtype, op, -1)
+        outgoing = self._scratch(2, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
+        incoming = self._scratch(0, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
+        outgoing[n:] = signature
+        mine = byte_view(data)
+        mask, level = 1, 0
+        while mask < self.size:
+            partner = self.rank ^ mask
+            outgoing[:n] = mine
+            ops = [
+                self._recv(incoming, partner, NATIVE_TAG + level),
+                self._send(outgoing, partner, NATIVE_TAG + level),
+            ]
+            what = f"all_reduce (exchange with rank {partner})"
+            self._wait(ops, what)
+            self._check_signature(incoming[n:], signature, partner, what)
+            reduce_into(data, incoming[:n].view(data.dtype), op)
+            mask, level = mask << 1, level + 1
+
+    def _check_signature(self, theirs: Any, signature: Any, peer: int, what: str) -> None:
+        if not (theirs == signature).all():
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: collective mismatch in {what}: group rank {peer} called "
+                f"{_describe(theirs)} where this rank called {_describe(signature)}; every rank "
+                "of a group must call the same collectives in the same order, with the same "
+                "dtype, op and root"
+            )
 
     def _segments(self, chunk: Any) -> list[Any]:
         size = self.cuda_segment_bytes if device_of(chunk) == "cuda" else self.segment_bytes
@@ -256,6 +296,9 @@ class UccBackend(Backend):
         v = (self.rank - src) % p  # position in a binary tree rooted at src
         parent = None if v == 0 else ((v - 1) // 2 + src) % p
         children = [(c + src) % p for c in (2 * v + 1, 2 * v + 2) if c < p]
+        if self.check_calls and device_of(array) == "cpu" and array.nbytes <= self.small_bytes:
+            self._broadcast_checked(array, src, parent, children)
+            return
         segs = self._segments(byte_view(array)) or [byte_view(array)]
         what = f"broadcast from rank {src}"
         sends = []
@@ -269,6 +312,26 @@ class UccBackend(Backend):
                 self._wait([request], what)
                 sends += [self._send(segs[j], child, NATIVE_TAG + j) for child in children]
         self._wait(sends, what)
+
+    def _broadcast_checked(self, array: Any, src: int, parent, children) -> None:
+        """A small broadcast down the tree in one message that ends with the call's signature
+        (the root included): a rank whose parent broadcasts from another root, or runs another
+        collective, raises CollectiveMismatchError."""
+        import numpy as np
+
+        data = byte_view(array)
+        n = data.nbytes
+        signature = _signature("broadcast", array.dtype, None, src)
+        message = self._scratch(2, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
+        what = f"broadcast from rank {src}"
+        if parent is None:
+            message[:n] = data
+            message[n:] = signature
+        else:
+            self._wait([self._recv(message, parent, NATIVE_TAG)], what)
+            self._check_signature(message[n:], signature, parent, what)
+            data[...] = message[:n]
+        self._wait([self._send(message, child, NATIVE_TAG) for child in children], what)
 
     @_collective
     def all_gather(self, outputs: list, array: Any) -> None:
@@ -384,6 +447,47 @@ class UccBackend(Backend):
     def close(self) -> None:
         if self.owns_transport:
             self.t.close()
+
+
+#: Bytes of the signature a checked call appends to its messages.
+SIGNATURE_BYTES = 8
+_KINDS = ("all_reduce", "broadcast")
+
+
+@functools.lru_cache(maxsize=256)
+def _signature_bytes(kind: str, dtype: str, op: str, root: int) -> bytes:
+    return struct.pack("<BBbxi", _KINDS.index(kind), _DTYPES.index(dtype), _OPS.index(op), root)
+
+
+def _signature(kind: str, dtype: Any, op: ReduceOp | None, root: int):
+    """What a checked call appends to its messages: collective, dtype, op and root."""
+    import numpy as np
+
+    raw = _signature_bytes(kind, str(dtype), op.name if op is not None else "", root)
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _describe(signature: Any) -> str:
+    kind, dtype, op, root = struct.unpack("<BBbxi", signature.tobytes())
+    if kind >= len(_KINDS) or dtype >= len(_DTYPES) or op >= len(_OPS):
+        return "something else"
+    parts = [_DTYPES[dtype]]
+    if _OPS[op]:
+        parts.append(f"op={_OPS[op]}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    return f"{_KINDS[kind]}({', '.join(parts)})"
+
+
+_DTYPES = tuple(
+    "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 "
+    "bfloat16".split()
+)
+_OPS = ("", *(op.name for op in ReduceOp))
+
+
+def _flag(value: Any) -> bool:
+    return value not in (False, 0, "0", "false", "False", "no")
 
 
 def create(ctx: BackendContext) -> UccBackend:
