@@ -98,7 +98,8 @@ class UccBackend(Backend):
             options.get("ucc_cuda_segment_bytes", DEFAULT_CUDA_SEGMENT_BYTES)
         )
         self.small_bytes = int(options.get("ucc_small_bytes", DEFAULT_SMALL_BYTES))
-        self.check_calls = _flag(options.get("ucc_check_calls", True))
+        # off by default: it costs more than 5 % at 4 KiB (BENCHMARKS.md); DETAIL checks all
+        self.check_calls = _flag(options.get("ucc_check_calls", False))
         self.owns_transport = tag_space == 0
         self._posted = threading.local()
         self._buffers: dict[tuple[int, str], Any] = {}
@@ -236,7 +237,7 @@ class UccBackend(Backend):
             mask, level = mask << 1, level + 1
 
     def _check_signature(self, theirs: Any, signature: Any, peer: int, what: str) -> None:
-        if not (theirs == signature).all():
+        if theirs.tobytes() != signature.tobytes():
             raise CollectiveMismatchError(
                 f"rank {self.rank}: collective mismatch in {what}: group rank {peer} called "
                 f"{_describe(theirs)} where this rank called {_describe(signature)}; every rank "
@@ -455,15 +456,14 @@ _KINDS = ("all_reduce", "broadcast")
 
 
 @functools.lru_cache(maxsize=256)
-def _signature_bytes(kind: str, dtype: str, op: str, root: int) -> bytes:
-    return struct.pack("<BBbxi", _KINDS.index(kind), _DTYPES.index(dtype), _OPS.index(op), root)
-
-
 def _signature(kind: str, dtype: Any, op: ReduceOp | None, root: int):
     """What a checked call appends to its messages: collective, dtype, op and root."""
     import numpy as np
 
-    raw = _signature_bytes(kind, str(dtype), op.name if op is not None else "", root)
+    name = op.name if op is not None else ""
+    raw = struct.pack(
+        "<BBbxi", _KINDS.index(kind), _DTYPES.index(str(dtype)), _OPS.index(name), root
+    )
     return np.frombuffer(raw, dtype=np.uint8)
 
 
