@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pluribus as pb
 import pytest
+from pluribus import is_available
 from pluribus.errors import DistTimeoutError
 from pluribus.testing import run_ranks
 
@@ -21,7 +22,7 @@ def _rank_three_stays_away() -> str:
     group = pb.new_group(list(range(WORLD)), timeout=TIMEOUT)
     pb.barrier(group=group)  # collective #1
     if rank == 3:
-        time.sleep(TIMEOUT + 4)
+        time.sleep(TIMEOUT + 3)
         return "away"
     x = np.ones(1024, np.float32)
     start = time.monotonic()
@@ -34,17 +35,20 @@ def _rank_three_stays_away() -> str:
     return "returned"
 
 
-@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "tcp"])
+SETTINGS = {
+    "gloo-shm": ("gloo", {"PLURIBUS_GLOO_SHM": "1"}),
+    "gloo-tcp": ("gloo", {"PLURIBUS_GLOO_SHM": "0"}),
+    "ucc": ("ucc", {}),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.timeout(60)
-def test_gloo_timeouts_name_the_ranks_that_did_not_arrive(shm):
-    results = run_ranks(
-        _rank_three_stays_away,
-        WORLD,
-        "gloo",
-        "processes",
-        timeout=40,
-        env={"PLURIBUS_GLOO_SHM": shm},
-    )
+def test_timeouts_name_the_ranks_that_did_not_arrive(setting):
+    backend, env = SETTINGS[setting]
+    if not is_available(backend):
+        pytest.skip(f"{backend} is not available here")
+    results = run_ranks(_rank_three_stays_away, WORLD, backend, "processes", timeout=40, env=env)
     for rank in range(3):
         message = results[rank]
         assert "rank(s) [3] did not reach it" in message, (rank, message)

@@ -30,6 +30,7 @@ import threading
 import time
 
 import numpy as np
+from pluribus import arrival
 from pluribus.errors import CollectiveMismatchError, DistTimeoutError, PeerError, PluribusError
 
 from . import wire
@@ -49,13 +50,6 @@ MAX_SLEEP_SHM = 0.004
 MAX_SLEEP_SOCKET = 0.05
 YIELD_MASK = int(os.environ.get("PLURIBUS_GLOO_YIELD_MASK", 1))
 _DOORBELL = wire.pack(0, 0, 0, 0, 0, 0, 0, 0, 0, mtype=wire.DOORBELL)
-
-#: How long a store call on the failure path may take: the store lives in rank 0 (or the
-#: launcher), which may be the rank that died.
-STORE_SECONDS = 1.0
-#: After a timeout, how long a rank waits for the other ranks that reached the same collective
-#: to say so before it names the rest as absent.
-ARRIVAL_GRACE = 1.0
 
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 
@@ -646,27 +640,16 @@ class Engine:
         if not self.closed and self.failed is None:
             link.forwarded = self._forwarded_error(link.peer)
 
-    def ask_store(self, question, limit: float = STORE_SECONDS):
-        """``question(store)`` on a helper thread, waiting at most ``limit``; None when the store
-        does not answer. The store is served by rank 0 (or the launcher): when that process is
-        gone every call would wait for a reconnect, so after one failure the engine stops
-        asking."""
+    def ask_store(self, question):
+        """``question(store)`` within a bound (see :mod:`pluribus.arrival`); None when the store
+        does not answer, after which the engine stops asking (rank 0, its server, is gone)."""
         if self.store_down:
             return None
-        answer: list = []
-
-        def ask() -> None:
-            try:
-                answer.append(question(self.store))
-            except Exception:
-                self.store_down = True
-
-        helper = threading.Thread(target=ask, name="pluribus-gloo-store", daemon=True)
-        helper.start()
-        helper.join(limit)
-        if helper.is_alive():
+        try:
+            return arrival.ask_store(self.store, question)
+        except Exception:
             self.store_down = True
-        return answer[0] if answer else None
+            return None
 
     def _forwarded_error(self, peer: int) -> BaseException | None:
         """The error a peer left in the store before it gave up on the group, if any."""
@@ -690,30 +673,17 @@ class Engine:
         return error
 
     def _absent(self, position: tuple, timeout: float) -> str:
-        """After a timeout: which members of the group never reached this collective, asked
-        through the store (each rank that times out there says so; the others did not arrive)."""
+        """After a timeout: which ranks of the group never reached this collective."""
         channel, seq, ranks = position
-        prefix = f"reached/{channel}/{seq}"
-        me = ranks.index(self.rank)
-
-        def ask(store) -> list[int]:
-            store.set(f"{prefix}/{me}", "1")
-            deadline = time.monotonic() + ARRIVAL_GRACE
-            while True:
-                missing = [r for r in range(len(ranks)) if not store.check([f"{prefix}/{r}"])]
-                if not missing or time.monotonic() >= deadline:
-                    return missing
-                time.sleep(0.05)
-
-        missing = self.ask_store(ask, ARRIVAL_GRACE + STORE_SECONDS)
-        if missing is None:
-            return "; the store did not answer, so which ranks did not arrive is unknown"
-        if not missing:
-            return "; every rank reached it, so a rank is stuck inside it"
-        return (
-            f"; rank(s) {[ranks[r] for r in missing]} did not reach it within {timeout:.0f}s "
-            "(they are busy elsewhere or called a different collective)"
-        )
+        missing = None
+        if not self.store_down:
+            try:
+                me = ranks.index(self.rank)
+                found = arrival.absent_ranks(self.store, f"reached/{channel}/{seq}", me, len(ranks))
+                missing = [ranks[r] for r in found]
+            except Exception:
+                self.store_down = True
+        return arrival.explain(missing, timeout)
 
     def _dead_peer(self, op: Op) -> BaseException | None:
         for peer in op.members:

@@ -17,8 +17,9 @@ from typing import Any
 
 from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view, device_of, empty_like, finish_average, flat, reduce_into
+from pluribus.arrival import absent_ranks, explain
 from pluribus.backend import COLLECTIVE_TAG, Backend
-from pluribus.errors import CollectiveMismatchError
+from pluribus.errors import CollectiveMismatchError, DistTimeoutError
 from pluribus.types import BackendContext, ReduceOp
 
 from .transport import MAX_TAG, SUBGROUP_SHIFT, Transport
@@ -50,8 +51,27 @@ def _keeps_buffers_on_failure(method, collective: bool = False):
     def run(self, *args, **kwargs):
         posted = self._posted.__dict__.setdefault("ops", [])
         mark = len(posted)
+        if collective:
+            self.seq += 1
         try:
             return method(self, *args, **kwargs)
+        except DistTimeoutError as exc:
+            self.t.bury(posted[mark:])
+            if not collective or self.t.aborted is not None:
+                raise
+            error = exc
+            if not self.t.timed_out_peers:  # this rank timed out first: say who did not arrive
+                try:
+                    found = absent_ranks(self.store, f"reached/{self.seq}", self.rank, self.size)
+                    missing = [self.members[r] for r in found]
+                except Exception:
+                    missing = None
+                where = f"{method.__name__} #{self.seq} of this group"
+                error = DistTimeoutError(f"{exc} ({where}){explain(missing, self.timeout)}")
+            self.t.abort(str(error), timed_out=True)  # the peers report it as a timeout too
+            if error is exc:
+                raise
+            raise error from None
         except BaseException as exc:
             sent = posted[mark:]
             self.t.bury(sent)
@@ -87,9 +107,12 @@ class UccBackend(Backend):
         timeout: float,
         tag_space: int,
         options: dict[str, Any],
+        store,
     ):
         super().__init__(rank, len(members), timeout)
         self.t = transport
+        self.store = store  # the group's: says who reached a collective that timed out
+        self.seq = 0
         self.members = list(members)
         self.tag_base = tag_space << SUBGROUP_SHIFT
         self.options = options
@@ -440,7 +463,7 @@ class UccBackend(Backend):
         else:
             space = int(ctx.store.get("ucc/tag-space", ctx.timeout))
         members = [self.members[r] for r in ranks]
-        return UccBackend(self.t, members, ctx.rank, ctx.timeout, space, self.options)
+        return UccBackend(self.t, members, ctx.rank, ctx.timeout, space, self.options, ctx.store)
 
     def abort(self, reason: str) -> None:
         self.t.abort(reason)
@@ -492,4 +515,6 @@ def _flag(value: Any) -> bool:
 
 def create(ctx: BackendContext) -> UccBackend:
     transport = Transport(ctx.rank, ctx.size, ctx.store, ctx.timeout, dict(ctx.options))
-    return UccBackend(transport, list(range(ctx.size)), ctx.rank, ctx.timeout, 0, dict(ctx.options))
+    return UccBackend(
+        transport, list(range(ctx.size)), ctx.rank, ctx.timeout, 0, dict(ctx.options), ctx.store
+    )

@@ -47,7 +47,8 @@ SUBGROUP_SHIFT = SUBGROUP_TAG_SHIFT
 MAX_TAG = (((1 << SPACE_BITS) - 1) << SUBGROUP_SHIFT) | ((1 << LOW_BITS) - 1)
 _LOW_MASK = (1 << SUBGROUP_SHIFT) - 1
 
-_BYE, _ABORT = b"B", b"A"
+#: Lifeline lines: goodbye, abort (with the reason), timed out (with the timeout's message).
+_BYE, _ABORT, _TIMED_OUT = b"B", b"A", b"T"
 #: A peer that closed cleanly may still have messages in flight; fail waits on it after this long.
 CLOSE_GRACE = 1.0
 
@@ -124,6 +125,7 @@ class Transport:
         self.aborted: str | None = None
         self.dead: dict[int, str] = {}
         self.aborted_peers: dict[int, str] = {}
+        self.timed_out_peers: set[int] = set()  # aborted because a collective timed out
         self._inbox: dict[int, bytearray] = {}
         self.said_bye: dict[int, float] = {}
         self.graveyard: list[Op] = []
@@ -323,9 +325,11 @@ class Transport:
         while b"\n" in inbox:
             line, _, rest = bytes(inbox).partition(b"\n")
             inbox[:] = rest
-            if line.startswith(_ABORT):
+            if line.startswith((_ABORT, _TIMED_OUT)):
                 said = line[1:].decode(errors="replace") or "no reason given"
                 self.aborted_peers.setdefault(peer, said)
+                if line.startswith(_TIMED_OUT):
+                    self.timed_out_peers.add(peer)
             elif line.startswith(_BYE):
                 self.said_bye.setdefault(peer, time.monotonic())
         if len(inbox) > MAX_LINE:
@@ -337,7 +341,12 @@ class Transport:
         self.poller.unregister(sock.fileno())
         self._fd_peer.pop(sock.fileno(), None)
 
-    def _peer_error(self, peer: int, what: str) -> PeerError:
+    def _peer_error(self, peer: int, what: str) -> PeerError | DistTimeoutError:
+        if peer in self.timed_out_peers and peer not in self.dead:
+            return DistTimeoutError(
+                f"rank {self.rank}: {what} failed because the group timed out on rank {peer}: "
+                f"{self.aborted_peers[peer]}"
+            )
         if peer in self.dead:
             why = f"rank {peer} is gone: {self.dead[peer]}"
         else:
@@ -381,12 +390,15 @@ class Transport:
             self._bury(list(ops))
 
     # -- failure and shutdown --------------------------------------------------------------------
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, timed_out: bool = False) -> None:
+        """Stop this rank's transport and tell every peer why (``timed_out``: a collective
+        timed out here, which the peers report as a timeout, not as this rank's failure)."""
         with self.lock:
             if self.aborted is not None or self.closed:
                 return
             self.aborted = reason
-            self._tell_peers(_ABORT + reason.replace("\n", " ").encode()[:2000] + b"\n")
+            code = _TIMED_OUT if timed_out else _ABORT
+            self._tell_peers(code + reason.replace("\n", " ").encode()[:2000] + b"\n")
             self._wake()
             self.cond.notify_all()
 
