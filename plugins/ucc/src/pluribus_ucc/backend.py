@@ -19,7 +19,7 @@ from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view, device_of, empty_like, finish_average, flat, reduce_into
 from pluribus.arrival import absent_ranks, explain
 from pluribus.backend import COLLECTIVE_TAG, Backend
-from pluribus.errors import CollectiveMismatchError, DistTimeoutError
+from pluribus.errors import CollectiveMismatchError, DistTimeoutError, PluribusError
 from pluribus.types import BackendContext, ReduceOp
 
 from .transport import MAX_TAG, SUBGROUP_SHIFT, Transport
@@ -75,7 +75,11 @@ def _keeps_buffers_on_failure(method, collective: bool = False):
         except BaseException as exc:
             sent = posted[mark:]
             self.t.bury(sent)
-            if collective and sent:
+            # only a rank-local error (or a mismatch) aborts: a transport failure is a peer's,
+            # which every rank learns through the lifelines; aborting here would name this rank
+            # instead of the one that failed
+            local = isinstance(exc, CollectiveMismatchError) or not isinstance(exc, PluribusError)
+            if collective and sent and local:
                 self.t.abort(
                     f"rank {self.t.rank}: {method.__name__} failed after it had started "
                     f"exchanging messages ({type(exc).__name__}: {exc})"
