@@ -72,12 +72,13 @@ def check_array(array: Any, what: str, rank: int, writable: bool = True) -> None
         raise TypeError(
             f"rank {rank}: {what} must be a numpy or cupy array, got {type(array).__name__}"
         )
-    if device_of(array) == "cpu":
-        if not isinstance(array, np.ndarray):
-            raise TypeError(
-                f"rank {rank}: {what} must be a numpy or cupy array, got "
-                f"{type(array).__module__}.{type(array).__name__}; convert it with np.asarray"
-            )
+    if isinstance(array, np.ndarray):
+        pass
+    elif device_of(array) == "cpu":
+        raise TypeError(
+            f"rank {rank}: {what} must be a numpy or cupy array, got "
+            f"{type(array).__module__}.{type(array).__name__}; convert it with np.asarray"
+        )
     elif not _cupy_installed():
         raise TypeError(
             f"rank {rank}: {what} is a {type(array).__module__}.{type(array).__name__}, which "
