@@ -69,7 +69,7 @@ def _broadcast_against_all_reduce() -> dict:
     return {"call": first, "barrier": _outcome(pb.barrier)}
 
 
-@TRANSPORTS
+@pytest.mark.parametrize("shm", ["1"], ids=["shm"])
 @pytest.mark.timeout(60)
 def test_the_root_of_a_broadcast_learns_that_the_others_called_all_reduce(shm):
     results = run_ranks(

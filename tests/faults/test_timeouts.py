@@ -37,7 +37,6 @@ def _rank_three_stays_away() -> str:
 
 SETTINGS = {
     "gloo-shm": ("gloo", {"PLURIBUS_GLOO_SHM": "1"}),
-    "gloo-tcp": ("gloo", {"PLURIBUS_GLOO_SHM": "0"}),
     "ucc": ("ucc", {}),
 }
 
