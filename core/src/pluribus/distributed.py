@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from . import codec, plugins
-from .arrays import check_array, check_op, device_of
+from .arrays import check_array, check_cuda_array, check_op, device_of
 from .backend import USER_TAG_LIMIT, check_tag_budget
 from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
@@ -397,10 +397,19 @@ def _check_reduction(g: ProcessGroup, array: Any, op: ReduceOp, what: str) -> st
     return _check_backend_op(g, array, op)
 
 
+def _carrier(g: ProcessGroup, array: Any):
+    """The backend that carries ``array``; an object that only looks like a cupy array is
+    refused here, before a backend that carries cupy arrays starts sending it."""
+    backend = g.backend_for(array)
+    if "cuda" in backend.devices and device_of(array) == "cuda":
+        check_cuda_array(array, g.global_rank)
+    return backend
+
+
 def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
     """Check ``op`` on ``array``'s dtype and backend; return the array's device."""
     check_op(op, array.dtype, g.global_rank)
-    backend = g.backend_for(array)
+    backend = _carrier(g, array)
     reason = backend.unsupported(np.dtype(array.dtype), op)
     if reason:
         raise TypeError(f"rank {g.global_rank}: backend {backend.name!r}: {reason}")
@@ -486,7 +495,7 @@ def broadcast(
     """Copy rank ``src``'s ``array`` into ``array`` on every rank."""
     g = _group(group)
     check_array(array, "array", g.global_rank)
-    g.backend_for(array)
+    _carrier(g, array)
     local = g.group_rank(src, "src")
     return _issue(g, "broadcast", device_of(array), async_op, array, local)
 
@@ -516,7 +525,7 @@ def all_gather(
     g = _group(group)
     r = g.global_rank
     check_array(array, "array", r, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     if isinstance(output, (list, tuple)):
         outputs = list(output)
         if len(outputs) != g.size:
@@ -605,7 +614,7 @@ def all_to_all(
             f"{len(inputs)} and {len(outputs)}"
         )
     check_array(inputs[0], "inputs[0]", r, writable=False)
-    g.backend_for(inputs[0])
+    _carrier(g, inputs[0])
     for i in range(g.size):
         _check_same(inputs[0], inputs[i], f"inputs[{i}]", r)
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
@@ -660,7 +669,7 @@ def gather(
     g = _group(group)
     r = g.global_rank
     check_array(array, "array", r, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     local = g.group_rank(dst, "dst")
     if g.rank == local:
         if gather_list is None or len(gather_list) != g.size:
@@ -685,7 +694,7 @@ def scatter(
     g = _group(group)
     r = g.global_rank
     check_array(array, "array", r)
-    g.backend_for(array)
+    _carrier(g, array)
     local = g.group_rank(src, "src")
     if g.rank == local:
         if scatter_list is None or len(scatter_list) != g.size:
@@ -727,14 +736,14 @@ def _peer(g: ProcessGroup, peer: int, what: str, tag: int) -> int:
 def send(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     _issue(g, "send", device_of(array), False, array, _peer(g, dst, "dst", tag), tag)
 
 
 def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
     g = _group(group)
     check_array(array, "array", g.global_rank)
-    g.backend_for(array)
+    _carrier(g, array)
     _issue(g, "recv", device_of(array), False, array, _peer(g, src, "src", tag), tag)
     return src
 
@@ -742,14 +751,14 @@ def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) 
 def isend(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     return _issue(g, "send", device_of(array), True, array, _peer(g, dst, "dst", tag), tag)
 
 
 def irecv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     g = _group(group)
     check_array(array, "array", g.global_rank)
-    g.backend_for(array)
+    _carrier(g, array)
     return _issue(g, "recv", device_of(array), True, array, _peer(g, src, "src", tag), tag)
 
 
