@@ -9,6 +9,7 @@
 #
 #   benchmarks/run_collectives.sh                      # gloo, 2 ranks, the four collectives
 #   BACKEND=mpi COLLECTIVES="all_reduce" benchmarks/run_collectives.sh
+#   NPROC=4 MIN_BYTES=4K STEP=4 PEERS=mpi4py benchmarks/run_collectives.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +17,10 @@ PYTHON=${PYTHON:-$(command -v .venv/bin/python || command -v python)}
 BACKEND=${BACKEND:-gloo}
 NPROC=${NPROC:-2}
 COLLECTIVES=${COLLECTIVES:-"all_reduce all_gather reduce_scatter broadcast"}
+MIN_BYTES=${MIN_BYTES:-4}
 MAX_BYTES=${MAX_BYTES:-64M}
+STEP=${STEP:-2}           # size factor between rows
+PEERS=${PEERS:-"torch-gloo mpi4py"}
 ITERS=${ITERS:-50}        # timed iterations per size, at most ...
 BUDGET=${BUDGET:-1.5}     # ... and at most this many seconds of them per size
 REPEAT=${REPEAT:-3}       # interleaved repeats of every phase, samples pooled
@@ -33,8 +37,8 @@ echo "# $(date -u +%FT%TZ) $(uptime)" | tee "$OUT/load-$STAMP.txt"
 for collective in $COLLECTIVES; do
     name="$collective-$BACKEND-np$NPROC-$STAMP"
     "$PYTHON" -m pluribus.bench --nproc "$NPROC" --backend "$BACKEND" -C "$collective" \
-        -d float32 -o sum -b 4 -e "$MAX_BYTES" -f 2 -n "$ITERS" -w 5 --budget "$BUDGET" \
-        --repeat "$REPEAT" --compare torch-gloo --compare mpi4py \
+        -d float32 -o sum -b "$MIN_BYTES" -e "$MAX_BYTES" -f "$STEP" -n "$ITERS" -w 5 --budget "$BUDGET" \
+        --repeat "$REPEAT" $(printf -- "--compare %s " $PEERS) \
         --save "$OUT/$name.json" --markdown "$OUT/$name.md" \
         ${plot_args[@]+"${plot_args[@]}" "$OUT/$name.png"} \
         | tee "$OUT/$name.txt"

@@ -4,8 +4,9 @@
 
 Every rank holds the same model (DistributedDataParallel keeps it so by averaging gradients),
 reads its own shard of each epoch (DistributedSampler), and held-out accuracy is counted over
-all ranks' shares of the test set. Rank 0 shows progress and saves a checkpoint after every epoch; a
-restarted job (``pluribus-run --max-restarts 3 ...``) resumes from it.
+all ranks' shares of the test set. Rank 0 shows progress; after every epoch the ranks save a
+checkpoint together (``pluribus.checkpoint.CheckpointManager``, the last two kept), and a
+restarted job (``pluribus-run --max-restarts 3 ...``) resumes from the newest complete one.
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ if _RANKS_HERE > 1:
 
 import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
-from pluribus import nn  # noqa: E402
+from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
 from pluribus.parallel import DistributedDataParallel  # noqa: E402
-
-CHECKPOINT_NAME = "digits.npz"
 
 
 def default_checkpoint_dir(name: str) -> Path:
@@ -93,28 +92,20 @@ def build_model(hidden: int, seed: int) -> nn.Module:
     )
 
 
-def save_checkpoint(path: Path, model: nn.Module, opt: nn.Optimizer, epoch: int) -> None:
-    """Write atomically (temp file, then rename) so a crash never leaves half a checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"model/{k}": v for k, v in model.state_dict().items()}
-    arrays.update({f"optim/{k}": v for k, v in opt.state_dict().items()})
-    arrays["epoch"] = np.array(epoch)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+def checkpoint_state(model: nn.Module, opt: nn.Optimizer, epoch: int) -> dict:
+    """What a checkpoint holds: every rank passes its (replicated) state; each array is
+    written once."""
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": epoch}
 
 
-def restore_checkpoint(path: Path | None, model: nn.Module, opt: nn.Optimizer) -> int:
-    """Load the checkpoint rank 0 sees into every rank; return the epoch to start from."""
-    state = None
-    if pluribus.get_rank() == 0 and path is not None and path.exists():
-        with np.load(path) as saved:
-            state = {k: saved[k] for k in saved.files}
-    state = pluribus.broadcast_object(state, src=0)
-    if state is None:
+def restore_checkpoint(manager: checkpoint.CheckpointManager | None, model, opt) -> int:
+    """Load the newest complete checkpoint into every rank; return the epoch to start from."""
+    step = manager.latest_step() if manager is not None else None
+    if step is None:
         return 0
-    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model/")})
-    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim/")})
+    state = checkpoint.read_whole(manager.path(step))  # the optimizer has no state to fill yet
+    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim.")})
     return int(state["epoch"])
 
 
@@ -138,12 +129,15 @@ def train(args: argparse.Namespace) -> dict:
     ddp = DistributedDataParallel(model)
     opt = nn.AdamW(ddp.parameters(), lr=args.lr, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
-    ckpt = Path(args.checkpoint_dir) / CHECKPOINT_NAME if args.checkpoint_dir else None
+    ckpt = None
+    if args.checkpoint_dir:
+        ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
     resume = args.resume or restarts > 0
     start_epoch = restore_checkpoint(ckpt, model, opt) if resume else 0
     if rank == 0 and start_epoch:
-        print(f"resuming from {ckpt} at epoch {start_epoch} (restart {restarts})", flush=True)
+        where = ckpt.path(start_epoch)
+        print(f"resuming from {where} at epoch {start_epoch} (restart {restarts})", flush=True)
 
     sampler = DistributedSampler(len(y_train), world, rank, shuffle=True, seed=args.seed)
     steps_per_epoch = -(-len(sampler) // args.batch_size)
@@ -180,8 +174,8 @@ def train(args: argparse.Namespace) -> dict:
                 )
                 progress.update()
         accuracy = evaluate(model, x_test, y_test)
-        if rank == 0 and ckpt is not None:
-            save_checkpoint(ckpt, model, opt, epoch + 1)
+        if ckpt is not None:  # every rank takes part; each array is written once
+            ckpt.save(epoch + 1, checkpoint_state(model, opt, epoch + 1))
     if progress is not None:
         progress.close()
     if start_epoch >= args.epochs:  # nothing left to train: report the restored model

@@ -7,11 +7,12 @@ whose path hashes to 0 mod 10 are held out, the rest are for training. A "datase
 set of windows drawn from the training text; each epoch the ranks split it with
 ``DistributedSampler``. Every epoch prints the training loss, the held-out loss (next to the
 loss of a unigram model, the baseline to beat) and tokens/s; at the end rank 0 samples some
-code. Rank 0 saves a checkpoint after every epoch; ``--resume`` or a restart by
-``pluribus-run --max-restarts`` continues from it.
+code. After every epoch the ranks save a checkpoint together (``pluribus.checkpoint``);
+``--resume`` or a restart by ``pluribus-run --max-restarts`` continues from the newest.
 
-``--parallel`` picks how the model is spread over the ranks (``ddp`` today; the later layers
-join this flag), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks).
+``--parallel`` picks how the model is spread over the ranks (``ddp``, or ``fsdp``: each block
+fully sharded; the later layers join this flag), ``--preset`` the model size (``10M`` and
+``100M`` for memory benchmarks).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ if _RANKS_HERE > 1:
 
 import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
-from pluribus import nn  # noqa: E402
+from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
-from pluribus.parallel import DistributedDataParallel  # noqa: E402
+from pluribus.dtensor import DTensor  # noqa: E402
+from pluribus.parallel import DistributedDataParallel, FullyShardedDataParallel  # noqa: E402
+from pluribus.parallel.fsdp import load_optim_state_dict, optim_state_dict  # noqa: E402
 
 VOCAB = 128  # ASCII; any other character reads as "?"
-PARALLEL = ["ddp", "none"]  # fsdp, pipeline, tensor and their combinations join here
+PARALLEL = ["ddp", "fsdp", "none"]  # pipeline, tensor and their combinations join here
 HELD_OUT_SEED = 12345  # the held-out windows never depend on --seed
 
 
@@ -176,31 +179,49 @@ def warmup_then_cosine(warmup: int, total: int):
 # -- checkpoints -----------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, model, opt, scheduler, epoch: int) -> None:
-    """Write atomically (temp file, then rename) so a crash never leaves half a checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"model/{k}": _host(v) for k, v in model.state_dict().items()}
-    arrays.update({f"optim/{k}": _host(v) for k, v in opt.state_dict().items()})
-    arrays["scheduler/last_epoch"] = np.array(scheduler.last_epoch)
-    arrays["epoch"] = np.array(epoch)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+def checkpoint_state(runner, opt, scheduler, epoch: int, sharded: bool) -> dict:
+    """What a checkpoint holds; every rank passes its own state (cupy arrays too): whole
+    arrays under ddp (each written once), its rows as DTensors under fsdp."""
+    return {
+        "model": runner.state_dict(),
+        "optim": optim_state_dict(runner, opt) if sharded else opt.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+    }
 
 
-def restore_checkpoint(path: Path | None, model, opt, scheduler) -> int:
-    """Load the checkpoint rank 0 sees into every rank; return the epoch to start from."""
-    state = None
-    if pluribus.get_rank() == 0 and path is not None and path.exists():
-        with np.load(path) as saved:
-            state = {k: saved[k] for k in saved.files}
-    state = pluribus.broadcast_object(state, src=0)
-    if state is None:
+def restore_checkpoint(
+    manager: checkpoint.CheckpointManager | None, runner, opt, scheduler, sharded: bool
+) -> int:
+    """Load the newest complete checkpoint into every rank; return the epoch to start from."""
+    step = manager.latest_step() if manager is not None else None
+    if step is None:
         return 0
-    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model/")})
-    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim/")})
-    scheduler.last_epoch = int(state["scheduler/last_epoch"])
+    if sharded:  # each rank reads its rows, whatever the world size that saved them
+        state = checkpoint_state(runner, opt, scheduler, 0, sharded=True)
+        # the optimizer has no state before its first step: AdamW's, in its parameter's layout
+        optim = state["optim"]["state"]
+        for name in optim:
+            param = state["model"][name]
+            optim[name] = {"exp_avg": _zeros_like(param), "exp_avg_sq": _zeros_like(param)}
+            optim[name]["step"] = 0
+        checkpoint.load(state, manager.path(step))
+        runner.load_state_dict(state["model"])
+        load_optim_state_dict(runner, opt, state["optim"])
+        scheduler.load_state_dict(state["scheduler"])
+        return int(state["epoch"])
+    state = checkpoint.read_whole(manager.path(step))  # the optimizer has no state to fill yet
+    runner.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim.")})
+    scheduler.load_state_dict({"last_epoch": state["scheduler.last_epoch"],
+                               "base_lrs": state["scheduler.base_lrs"]})  # fmt: skip
     return int(state["epoch"])
+
+
+def _zeros_like(tensor: DTensor) -> DTensor:
+    zeros = tensor.to_local().copy()
+    zeros[...] = 0
+    return DTensor(zeros, tensor.device_mesh, tensor.layout)
 
 
 def _host(array):
@@ -246,7 +267,10 @@ def train(args: argparse.Namespace) -> dict:
     held_out = windows(held_tokens, args.eval_windows, block + 1, seed=HELD_OUT_SEED)
     baseline = unigram_loss(train_tokens, held_out[:, 1:])
 
+    described = repr(model)  # before sharding: fsdp leaves each rank its rows only
     runner = DistributedDataParallel(model) if args.parallel == "ddp" else model
+    if args.parallel == "fsdp":  # each block a unit, then the root; the model is sharded in place
+        runner = FullyShardedDataParallel(model)
     opt = make_optimizer(model, args)
     sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed)
     steps_per_epoch = len(sampler) // args.batch_size
@@ -254,21 +278,26 @@ def train(args: argparse.Namespace) -> dict:
         opt, warmup_then_cosine(args.warmup_steps, args.epochs * steps_per_epoch)
     )
     loss_fn = nn.CrossEntropyLoss()
-    ckpt = Path(args.checkpoint_dir) / "gpt.npz" if args.checkpoint_dir else None
+    ckpt = None
+    if args.checkpoint_dir:
+        ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
+    sharded = args.parallel == "fsdp"
+    state_of = model if args.parallel == "ddp" else runner  # ddp: the module's own names
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
     start_epoch = 0
     if args.resume or restarts > 0:
-        start_epoch = restore_checkpoint(ckpt, model, opt, scheduler)  # lrs come with opt
+        start_epoch = restore_checkpoint(ckpt, state_of, opt, scheduler, sharded)
     if rank == 0:
         print(
-            f"{model!r} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
+            f"{described} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
             f"{args.parallel}; {train_tokens.size:,} training and {held_tokens.size:,} held-out "
             f"characters of {sysconfig.get_paths()['stdlib']}; unigram baseline "
             f"{baseline:.3f} nats/char",
             flush=True,
         )
         if start_epoch:
-            print(f"resuming from {ckpt} at epoch {start_epoch} (restart {restarts})", flush=True)
+            where = ckpt.path(start_epoch)
+            print(f"resuming from {where} at epoch {start_epoch} (restart {restarts})", flush=True)
 
     history: dict = {"losses": [], "held_out": [], "tokens_per_s": []}
     tokens_per_step = world * args.batch_size * block
@@ -302,22 +331,29 @@ def train(args: argparse.Namespace) -> dict:
                 f"(unigram {baseline:.3f}), {rate:,.0f} tokens/s, {elapsed:.1f}s",
                 flush=True,
             )
-            if ckpt is not None:
-                save_checkpoint(ckpt, model, opt, scheduler, epoch + 1)
+        if ckpt is not None:  # every rank takes part
+            ckpt.save(epoch + 1, checkpoint_state(state_of, opt, scheduler, epoch + 1, sharded))
     if not history["held_out"]:  # nothing left to train: report the restored model
         history["held_out"].append(evaluate(model, held_out, args.batch_size, xp))
     sample = ""
-    if rank == 0 and args.sample_chars:
+    # under fsdp every rank runs the forwards (each gathers its share of the parameters)
+    if args.sample_chars and (rank == 0 or args.parallel == "fsdp"):
         prompt = xp.asarray(encode("def ")[None, :].astype(np.int64))
         generated = model.generate(prompt, args.sample_chars, temperature=0.8, rng=args.seed)
-        sample = decode(_host(generated[0]))
-        print(f"--- sample (temperature 0.8) ---\n{sample}\n---", flush=True)
+        sample = decode(_host(generated[0])) if rank == 0 else ""
+        if rank == 0:
+            print(f"--- sample (temperature 0.8) ---\n{sample}\n---", flush=True)
     return {
         **history,
         "baseline": baseline,
         "start_epoch": start_epoch,
         "sample": sample,
-        "state": {k: _host(v) for k, v in model.state_dict().items()},
+        "state": {
+            k: _host(v)
+            for k, v in (
+                runner.full_state_dict() if args.parallel == "fsdp" else model.state_dict()
+            ).items()
+        },
     }
 
 

@@ -40,7 +40,7 @@ def _args(tmp_path, *extra):
 def test_digits_reaches_95_percent_on_two_thread_ranks(tmp_path):
     results = run_ranks(train_digits.train, 2, "threads", args=(_args(tmp_path),))
     assert results[0]["accuracy"] == results[1]["accuracy"] >= 0.95
-    assert (tmp_path / "digits.npz").exists()
+    assert (tmp_path / "step-20" / "metadata.json").exists()  # pluribus.checkpoint
 
 
 @pytest.mark.timeout(120)

@@ -38,7 +38,7 @@ def test_gpt_example_beats_the_unigram_baseline_on_two_thread_ranks(tmp_path):
     assert first["held_out"] == second["held_out"]
     assert first["held_out"][-1] < first["baseline"] - 0.25  # 64 steps of a tiny model
     assert first["sample"].startswith("def ") and len(first["sample"]) == 44
-    assert (tmp_path / "gpt.npz").exists()
+    assert (tmp_path / "step-2" / "metadata.json").exists()  # pluribus.checkpoint
     for name, value in first["state"].items():
         np.testing.assert_array_equal(second["state"][name], value, err_msg=name)
 

@@ -30,8 +30,8 @@ status=0
 for n in $SIZES; do
     echo "== mpiexec -n $n: plugin tests and conformance suite on the mpi backend"
     tests=("$here/test_mpi_collectives.py" "$here/test_mpi_conformance.py")
-    # data-parallel training on MPI: the same model as one process on the whole batch
-    case "$n" in 2 | 4) tests+=("$repo/tests/ddp/test_ddp_mpi.py") ;; esac
+    # data-parallel and fully sharded training on MPI: the same model as one process on the whole batch
+    case "$n" in 2 | 4) tests+=("$repo/tests/ddp/test_ddp_mpi.py" "$repo/tests/fsdp/test_fsdp_mpi.py") ;; esac
     report=""
     [ -n "$REPORTS" ] && report="$REPORTS/mpi-n$n.xml"
     timeout -k 10 "$LIMIT" "$MPIEXEC" -n "$n" env PLURIBUS_JUNIT="$report" \

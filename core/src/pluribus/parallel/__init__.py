@@ -1,9 +1,17 @@
-"""Parallel training on top of the collective hooks: data parallelism, synced batch norm and
-tensor parallelism."""
+"""Parallel training on top of the collective hooks: data parallelism, fully sharded data
+parallelism, synced batch norm and tensor parallelism."""
 
 from . import comm_hooks
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DistributedDataParallel, GradBucket
+from .fsdp import (
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .tensor_parallel import (
     AttentionParallel,
@@ -31,6 +39,12 @@ __all__ = [
     "transformer_plan",
     "DistributedDataParallel",
     "GradBucket",
+    "FSDPModule",
+    "FullyShardedDataParallel",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ShardingStrategy",
+    "fully_shard",
     "SyncBatchNorm",
     "allreduce_hook",
     "bf16_compress_hook",

@@ -23,7 +23,8 @@ from pluribus.backend import Backend
 from pluribus.errors import PluribusError
 from pluribus.types import ReduceOp
 
-from . import wire
+from . import local, wire
+from .arena import open_arena
 from .engine import Engine, Op, RecvReq, _same_error
 
 #: Pieces of a ring step or pipeline: big enough to amortise per-message work, small enough that
@@ -76,6 +77,8 @@ class _Call:
         self.seq = backend.next_seq()
         self.op = Op(self.describe, backend.peer_set, True)
         self.ufunc = _reduce_ufunc(op, self.np_dtype) if op is not None else None
+        if backend.arena is not None:  # peers waiting on the arena check what we run
+            backend.arena.begin(self.seq, kind, self.dtype, self.opcode, count)
 
     def describe(self) -> str:
         what = wire.describe(self.kind, self.dtype, self.opcode, self.count, root=self.root)
@@ -160,6 +163,37 @@ class GlooBackend(Backend):
         self.uses_shared_memory = any(
             engine.links[r].shm for r in self.peer_set if r in engine.links
         )
+        #: the group's shared segment when every member is on this host (see :mod:`.arena`)
+        self.arena = None
+        self._last_signature: tuple = (None, None, 0, 0, None)
+
+    def attach_arena(self, store, options: dict) -> None:
+        """Agree with the other members on a shared segment; every member calls it."""
+        arena = open_arena(self.engine, self.ranks, self.rank, store, self.timeout, options)
+        if arena is not None:
+            arena.group_name = self.group_name
+            self.arena = arena
+            self.engine.arenas.append(arena)
+
+    def _arena_call(
+        self, kind: int, dtype: np.dtype, op: ReduceOp | None, count: int, root: int = -1
+    ):
+        """Announce a collective on the arena; returns the reduction's ufunc."""
+        if self.engine.failed is not None:
+            raise _same_error(self.engine.failed)
+        last = self._last_signature
+        if last[0] is not dtype or last[1] is not op:  # identity: hashing an Enum is slow
+            ufunc = _reduce_ufunc(op, dtype) if op is not None else None
+            last = self._last_signature = (
+                dtype,
+                op,
+                wire.dtype_code(dtype),
+                wire.op_code(op),
+                ufunc,
+            )
+        self.seq += 1
+        self.arena.begin(self.seq, kind, last[2], last[3], count, root)
+        return last[4]
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -244,7 +278,10 @@ class GlooBackend(Backend):
     def all_reduce(self, array: Any, op: ReduceOp) -> None:
         p = self.size
         data = flat(array)
-        if p > 1:
+        if p > 1 and self.arena is not None:
+            ufunc = self._arena_call(wire.ALL_REDUCE, data.dtype, op, data.size)
+            local.all_reduce(self.arena, data, ufunc)
+        elif p > 1:
             call = _Call(self, wire.ALL_REDUCE, data, op, data.size)
             if data.nbytes <= DIRECT_ALL_REDUCE_BYTES:
                 self._all_reduce_direct(call, data)
@@ -306,6 +343,10 @@ class GlooBackend(Backend):
     def broadcast(self, array: Any, src: int) -> None:
         p, r = self.size, self.rank
         if p == 1:
+            return
+        if self.arena is not None:
+            self._arena_call(wire.BROADCAST, array.dtype, None, array.size, src)
+            local.broadcast(self.arena, flat(array), src)
             return
         data = byte_view(array)
         call = _Call(self, wire.BROADCAST, array, None, array.size, root=src)
@@ -396,6 +437,10 @@ class GlooBackend(Backend):
             np.copyto(outs[r], src)
         if p == 1:
             return
+        if self.arena is not None:
+            self._arena_call(wire.ALL_GATHER, src.dtype, None, sum(o.size for o in outs))
+            local.all_gather(self.arena, outs, src)
+            return
         call = _Call(self, wire.ALL_GATHER, src, None, src.size, check_count=False)
         right, left = (r + 1) % p, (r - 1) % p
         per = max(1, PIECE_BYTES // max(1, src.itemsize))
@@ -424,6 +469,11 @@ class GlooBackend(Backend):
             if not np.shares_memory(out, ins[0]):
                 np.copyto(out, ins[0])
             finish_average(output, op, 1)
+            return
+        if self.arena is not None:
+            ufunc = self._arena_call(wire.REDUCE_SCATTER, out.dtype, op, sum(x.size for x in ins))
+            local.reduce_scatter(self.arena, out, ins, ufunc)
+            finish_average(output, op, p)
             return
         call = _Call(self, wire.REDUCE_SCATTER, out, op, out.size, check_count=False)
         right, left = (r + 1) % p, (r - 1) % p
@@ -516,6 +566,10 @@ class GlooBackend(Backend):
         if p == 1:
             return
         token = np.zeros(0, dtype=np.uint8)
+        if self.arena is not None:
+            self._arena_call(wire.BARRIER, token.dtype, None, 0)
+            local.barrier(self.arena)
+            return
         call = _Call(self, wire.BARRIER, token, None, 0)
         if p <= 16:
 
@@ -539,7 +593,7 @@ class GlooBackend(Backend):
 
     # -- groups and lifetime ----------------------------------------------------------------------
     def new_subgroup(self, ranks: list[int], ctx: Any) -> Backend:
-        return GlooBackend(
+        backend = GlooBackend(
             self.engine,
             [self.ranks[i] for i in ranks],
             ctx.rank,
@@ -547,13 +601,22 @@ class GlooBackend(Backend):
             ctx.group_name,
             owner=False,
         )
+        backend.attach_arena(ctx.store, dict(ctx.options or {}))
+        return backend
 
     def abort(self, reason: str) -> None:
         self.engine.abort(reason)
 
     def close(self) -> None:
         if self.owner:
-            self.engine.close()
+            self.engine.close()  # closes every group's arena
+        elif self.arena is not None:
+            engine, arena = self.engine, self.arena
+            self.arena = None
+            with engine.mutex:
+                if arena in engine.arenas:
+                    engine.arenas.remove(arena)
+                    arena.close()
 
 
 _ufuncs: dict = {}

@@ -57,7 +57,7 @@ _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 class Op:
     """The requests of one call (a collective or a point-to-point operation)."""
 
-    __slots__ = ("pending", "_what", "members", "collective", "waiting_on")
+    __slots__ = ("pending", "_what", "members", "collective", "waiting_on", "poll")
 
     def __init__(self, what, members: set[int], collective: bool):
         self.pending = 0
@@ -67,6 +67,9 @@ class Op:
         self._what = what  # a string, or a callable that makes one (only errors need it)
         self.members = members
         self.collective = collective
+        # for a wait on shared flags rather than messages: called under the engine lock on every
+        # pass of the wait loop, it returns True when it made progress (and sets ``pending``)
+        self.poll = None
 
     @property
     def what(self) -> str:
@@ -204,6 +207,7 @@ class Engine:
         }
         self.link_list = list(self.links.values())
         self.has_shm = any(link.shm for link in self.link_list)
+        self.arenas: list = []  # the shared segments of this rank's all-local groups
         # Spinning ranks must yield the CPU when this host runs more of them than it has cores.
         local_ranks = 1 + sum(1 for link in self.link_list if link.shm)
         self.yield_while_spinning = local_ranks > _cpu_count()
@@ -762,6 +766,8 @@ class Engine:
             if link.shm and not link.eof:
                 link.in_ring.control[READER_WAITING] = flag
                 link.out_ring.control[WRITER_WAITING] = flag if link.sendq else 0
+        for arena in self.arenas:
+            arena.set_sleeping(flag)
 
     def _check_control(self) -> None:
         with self.mutex:
@@ -795,6 +801,8 @@ class Engine:
                         raise _same_error(self.failed)
                     before = self.completions
                     moved = self.progress()
+                    if op.poll is not None and op.poll(op):
+                        moved = True
                     if self.completions != before and self.waiters > 1:
                         self._wake()
                     if self.failed is not None:
@@ -839,6 +847,8 @@ class Engine:
                             continue
                         self._set_sleeping(1)
                         moved = self.progress()  # what arrived while the flags went up
+                        if op.poll is not None and op.poll(op):
+                            moved = True
                     if not moved:
                         self._block(min(max_sleep, max(0.0, deadline - now)))
                     with self.mutex:
@@ -887,6 +897,9 @@ class Engine:
                         link.segment.close()
                     except BufferError:
                         pass  # a view is still alive somewhere; the mapping goes with it
+            for arena in self.arenas:
+                arena.close()
+            self.arenas = []
             for fd in (self._wake_r, self._wake_w):
                 try:
                     os.close(fd)

@@ -67,9 +67,15 @@ def create(ctx: BackendContext):
         options,
     )
     engine = Engine(ctx.rank, ctx.size, peers, ctx.store, capacity)
-    return GlooBackend(
+    backend = GlooBackend(
         engine, list(range(ctx.size)), ctx.rank, ctx.timeout, ctx.group_name, owner=True
     )
+    try:
+        backend.attach_arena(ctx.store, options)
+    except BaseException:
+        engine.close()
+        raise
+    return backend
 
 
 @hookimpl

@@ -45,13 +45,13 @@ def segment_size(capacity: int) -> int:
     return 2 * (CONTROL_BYTES + capacity)
 
 
-def create_segment(capacity: int) -> tuple[str, mmap.mmap]:
-    """Create and map a fresh segment for one pair; the caller unlinks it."""
+def create_mapping(nbytes: int) -> tuple[str, mmap.mmap]:
+    """Create and map a fresh segment of ``nbytes``; the caller unlinks it."""
     name = f"/plrb-{os.getpid()}-{secrets.token_hex(6)}"
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, segment_size(capacity))
-        mm = mmap.mmap(fd, segment_size(capacity))
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
     except BaseException:
         unlink(name)
         raise
@@ -60,14 +60,23 @@ def create_segment(capacity: int) -> tuple[str, mmap.mmap]:
     return name, mm
 
 
-def open_segment(name: str, capacity: int) -> mmap.mmap:
+def open_mapping(name: str, nbytes: int) -> mmap.mmap:
     fd = _posixshmem.shm_open(name, os.O_RDWR, 0o600)
     try:
-        if os.fstat(fd).st_size != segment_size(capacity):
+        if os.fstat(fd).st_size != nbytes:
             raise OSError(f"shared-memory segment {name} has an unexpected size")
-        return mmap.mmap(fd, segment_size(capacity))
+        return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
+
+
+def create_segment(capacity: int) -> tuple[str, mmap.mmap]:
+    """Create and map a fresh segment for one pair; the caller unlinks it."""
+    return create_mapping(segment_size(capacity))
+
+
+def open_segment(name: str, capacity: int) -> mmap.mmap:
+    return open_mapping(name, segment_size(capacity))
 
 
 def unlink(name: str) -> None:

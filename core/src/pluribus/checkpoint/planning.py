@@ -1,0 +1,117 @@
+"""Who writes which box at save, and which byte ranges each rank reads at load.
+
+Both are computed by every rank from what it holds and the metadata alone, without talking to
+the others: at scale the planning rounds of a gather-plan-scatter protocol dominate save time.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..dtensor import DTensor, Replicate
+from .metadata import Chunk, TensorInfo
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def dtensor_box(tensor: DTensor) -> Box:
+    """The box of the global tensor this rank's piece covers."""
+    slices = tensor.layout.local_slices(tensor.device_mesh.coordinate)
+    shape = tensor.shape
+    offsets = tuple(s.indices(n)[0] for s, n in zip(slices, shape, strict=True))
+    sizes = tuple(len(range(*s.indices(n))) for s, n in zip(slices, shape, strict=True))
+    return offsets, sizes
+
+
+def writes_dtensor_piece(key: str, tensor: DTensor) -> bool:
+    """Whether this rank writes its piece: among the ranks that hold the same piece (the
+    Replicate mesh dimensions), one does, chosen by key so that replicas share the work."""
+    mesh, coordinate = tensor.device_mesh, tensor.device_mesh.coordinate
+    replicated = [m for m, p in enumerate(tensor.placements) if isinstance(p, Replicate)]
+    if not replicated:
+        return True
+    sizes = [mesh.shape[m] for m in replicated]
+    mine = int(np.ravel_multi_index([coordinate[m] for m in replicated], sizes))
+    shard_dims = [m for m in range(mesh.ndim) if m not in replicated]
+    piece = (
+        int(
+            np.ravel_multi_index(
+                [coordinate[m] for m in shard_dims], [mesh.shape[m] for m in shard_dims]
+            )
+        )
+        if shard_dims
+        else 0
+    )
+    return (zlib.crc32(key.encode()) + piece) % math.prod(sizes) == mine
+
+
+def assign_replicated(sized_keys: list[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """A writer rank for each array every rank holds whole (DDP): the largest first, each to
+    the least loaded rank, so that every rank computes the same answer and bytes are spread."""
+    loads = [0] * world_size
+    owner = {}
+    for key, nbytes in sorted(sized_keys, key=lambda kn: (-kn[1], kn[0])):
+        rank = loads.index(min(loads))
+        owner[key] = rank
+        loads[rank] += max(nbytes, 1)
+    return owner
+
+
+def covers_exactly(info: TensorInfo) -> bool:
+    """Whether the chunks tile the global shape: inside it, and their volumes add up (the
+    coordinator drops duplicate boxes first, so overlap would show as excess volume)."""
+    total = 0
+    for c in info.chunks:
+        if any(o < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, info.shape, strict=True)):
+            return False
+        total += math.prod(c.sizes)
+    return total == math.prod(info.shape)
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy rows ``rows`` (along dimension 0) of ``chunk`` and, of those, ``source`` into
+    ``target`` of the destination piece."""
+
+    chunk: Chunk
+    rows: tuple[int, int]
+    source: tuple[slice, ...]
+    target: tuple[slice, ...]
+
+
+def plan_reads(info: TensorInfo, box: Box) -> list[Read]:
+    """The reads that fill ``box`` of the global tensor from the saved chunks: for each chunk
+    that overlaps it, only the rows of the chunk the overlap spans."""
+    want_off, want_size = box
+    reads = []
+    for chunk in info.chunks:
+        lo = [max(a, b) for a, b in zip(chunk.offsets, want_off, strict=True)]
+        hi = [
+            min(a + s, b + t)
+            for a, s, b, t in zip(chunk.offsets, chunk.sizes, want_off, want_size, strict=True)
+        ]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)) and lo:
+            continue
+        if not lo:  # a 0-d tensor: one chunk, one element
+            reads.append(Read(chunk, (0, 1), (), ()))
+            continue
+        rows = (lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0])
+        source = (slice(0, rows[1] - rows[0]),) + tuple(
+            slice(low - c, h - c)
+            for low, h, c in zip(lo[1:], hi[1:], chunk.offsets[1:], strict=True)
+        )
+        target = tuple(slice(low - w, h - w) for low, h, w in zip(lo, hi, want_off, strict=True))
+        reads.append(Read(chunk, rows, source, target))
+    return reads
+
+
+def describe_layout(value: Any) -> str:
+    """How a tensor was held when saved, for ``inspect``."""
+    if isinstance(value, DTensor):
+        return f"DTensor mesh {list(value.device_mesh.shape)} {list(value.placements)}"
+    return "whole on every rank"

@@ -1,0 +1,411 @@
+"""Saving: take a snapshot of what this rank writes, write it, and commit together.
+
+The snapshot is local (no collective): the pieces this rank writes, as host arrays, the
+description of every key and the plain values. Then every rank agrees on the temporary
+directory (one small all-gather that also carries any rank's bad-input error, so every rank
+raises it before a byte is written), writes and fsyncs its own safetensors file, and sends its
+table of chunks to the others; the coordinator builds the metadata, checks that the chunks tile
+every tensor, writes it last and publishes the directory (:mod:`.commit`). A last broadcast
+tells every rank the outcome.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import math
+import os
+import queue
+import shutil
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import distributed as dist
+from ..dtensor import Partial
+from . import commit
+from .checksums import block_sums, preferred
+from .errors import CheckpointError
+from .metadata import BLOCK_BYTES, METADATA_FILE, Chunk, Metadata, TensorInfo
+from .planning import (
+    assign_replicated,
+    covers_exactly,
+    describe_layout,
+    dtensor_box,
+    writes_dtensor_piece,
+)
+from .safetensors_io import DTYPES, as_bytes, write_file
+from .state import ARRAY, DTENSOR, VALUE, flatten, is_cupy
+
+
+@dataclass
+class Snapshot:
+    """What one rank contributes to a checkpoint."""
+
+    rank: int
+    world_size: int
+    #: (key, offsets, host array) of each piece this rank writes
+    pieces: list[tuple[str, tuple[int, ...], np.ndarray]] = field(default_factory=list)
+    #: key -> [global shape, dtype name, saved layout]
+    tensors: dict[str, list] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    checksum: str = ""
+
+
+def _host(array: Any, copy: bool) -> np.ndarray:
+    if is_cupy(array):
+        array = array.get()  # device -> host is already a copy
+        copy = False
+    array = np.asarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if copy or not array.flags.c_contiguous:
+        return array.copy(order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+    return array
+
+
+def take_snapshot(state_dict: dict, rank: int, world_size: int, copy: bool) -> Snapshot:
+    """Everything this rank writes; ``copy`` snapshots numpy arrays (for a background write).
+    Bad input becomes ``snapshot.error`` so that every rank can raise it together."""
+    snap = Snapshot(rank, world_size, checksum=preferred())
+    try:
+        leaves = flatten(state_dict, rank)
+        whole = [(leaf.key, int(leaf.value.nbytes)) for leaf in leaves if leaf.kind == ARRAY]
+        owners = assign_replicated(whole, world_size)
+        for leaf in leaves:
+            if leaf.kind == VALUE:
+                snap.values[leaf.key] = leaf.value
+                continue
+            local = leaf.value.to_local() if leaf.kind == DTENSOR else leaf.value
+            dtype = np.dtype(local.dtype)
+            if dtype.name not in DTYPES:
+                raise TypeError(
+                    f"rank {rank}: state dict entry {leaf.key!r} has dtype {dtype}, which "
+                    f"safetensors cannot hold; use one of {sorted(DTYPES)}"
+                )
+            shape = list(leaf.value.shape)
+            snap.tensors[leaf.key] = [shape, dtype.name, describe_layout(leaf.value)]
+            if leaf.kind == DTENSOR:
+                if any(isinstance(p, Partial) for p in leaf.value.placements):
+                    raise ValueError(
+                        f"rank {rank}: state dict entry {leaf.key!r} is a DTensor with "
+                        f"placements {list(leaf.value.placements)}; a Partial tensor is not a "
+                        "value yet: redistribute it to Replicate (or Shard) before saving"
+                    )
+                offsets, sizes = dtensor_box(leaf.value)
+                if math.prod(sizes) > 0 and writes_dtensor_piece(leaf.key, leaf.value):
+                    snap.pieces.append((leaf.key, offsets, _host(local, copy)))
+            elif owners[leaf.key] == rank and local.size > 0:
+                snap.pieces.append((leaf.key, (0,) * len(shape), _host(local, copy)))
+    except (TypeError, ValueError) as e:
+        snap.error = str(e)
+    return snap
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def _write_pieces(snap: Snapshot, directory: str, global_rank: int) -> dict[str, dict]:
+    """Write this rank's file (its checksums computed while the kernel takes the bytes);
+    the chunk of each key, as JSON."""
+    if not snap.pieces:
+        return {}
+    name = _rank_file(snap.rank)
+    tensors = [(key, array) for key, _, array in snap.pieces]
+
+    def crash_while_writing():
+        commit.crash_point("writing", global_rank)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        written = pool.submit(
+            write_file, os.path.join(directory, name), tensors, {"format": "pluribus"},
+            crash_while_writing,
+        )  # fmt: skip
+        sums = [block_sums(as_bytes(a), BLOCK_BYTES, snap.checksum) for _, a in tensors]
+        written.result()
+    return {
+        key: Chunk(tuple(offsets), tuple(array.shape), name, key, tuple(sums)).to_json()
+        for (key, offsets, array), sums in zip(snap.pieces, sums, strict=True)
+    }
+
+
+def _metadata(reports: list[dict], world_size: int, checksum: str) -> Metadata:
+    """The coordinator's table of contents from every rank's report; ranks that disagree on a
+    key's shape or dtype, or chunks that do not tile a tensor, are an error."""
+    first = reports[0]
+    tensors: dict[str, TensorInfo] = {}
+    for r, report in enumerate(reports):
+        if set(report["tensors"]) != set(first["tensors"]) or set(report["values"]) != set(
+            first["values"]
+        ):
+            theirs = set(report["tensors"]) | set(report["values"])
+            ours = set(first["tensors"]) | set(first["values"])
+            raise CheckpointError(
+                f"ranks disagree on the state dict's keys: rank {r} has "
+                f"{sorted(theirs - ours)} that rank 0 lacks and lacks {sorted(ours - theirs)}; "
+                "every rank must save the same keys"
+            )
+        for key, (shape, dtype, layout) in report["tensors"].items():
+            info = tensors.setdefault(key, TensorInfo(tuple(shape), dtype, layout))
+            if info.shape != tuple(shape) or info.dtype != dtype:
+                raise CheckpointError(
+                    f"ranks disagree on {key!r}: rank 0 saves {list(info.shape)} {info.dtype}, "
+                    f"rank {r} {shape} {dtype}"
+                )
+    for report in reports:
+        for key, chunk in report["chunks"].items():
+            c = Chunk.from_json(chunk)
+            if all((c.offsets, c.sizes) != (o.offsets, o.sizes) for o in tensors[key].chunks):
+                tensors[key].chunks.append(c)
+    for key, info in tensors.items():
+        if not covers_exactly(info):
+            raise CheckpointError(
+                f"the pieces of {key!r} ({[(c.offsets, c.sizes) for c in info.chunks]}) do "
+                f"not tile its global shape {list(info.shape)}; the ranks' layouts disagree"
+            )
+    values, rank_values = {}, {}
+    for key in first["values"]:
+        each = [report["values"][key] for report in reports]
+        if all(v == each[0] for v in each):
+            values[key] = each[0]
+        else:
+            rank_values[key] = each
+    return Metadata(
+        world_size, tensors, values, rank_values, block_bytes=BLOCK_BYTES, checksum=checksum
+    )
+
+
+def _exchange(group, obj: Any) -> list[Any]:
+    return [obj] if group is None else dist.all_gather_object(obj, group=group)
+
+
+def _failures(items: list[dict], group) -> list[str]:
+    ranks = group.ranks if group is not None else [0]
+    return [f"rank {ranks[r]}: {item['error']}" for r, item in enumerate(items) if item["error"]]
+
+
+def write_and_commit(
+    snap: Snapshot,
+    path: str,
+    group,
+    coordinator: int,
+    after_publish: Callable[[], None] | None = None,
+) -> None:
+    """Write ``snap`` into a fresh temporary directory with the other ranks and publish it
+    at ``path``; raises :class:`CheckpointError` on every rank when any rank failed."""
+    global_rank = group.global_rank if group is not None else 0
+    is_coordinator = snap.rank == coordinator
+    path = os.path.abspath(path)
+    token, error = uuid.uuid4().hex[:12], snap.error
+    if is_coordinator and error is None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.mkdir(commit.temporary_dir(path, token))
+        except OSError as e:
+            error = f"cannot create {commit.temporary_dir(path, token)}: {e}"
+    agreed = _exchange(group, {"error": error, "token": token, "checksum": snap.checksum})
+    tmp = commit.temporary_dir(path, agreed[coordinator]["token"])
+    snap.checksum = agreed[coordinator]["checksum"]  # every rank sums as the coordinator does
+    failed = _failures(agreed, group)
+    if failed:
+        if is_coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"rank {global_rank}: nothing was saved to {path}: " + "; ".join(failed)
+        )
+    report: dict[str, Any] = {"error": None, "tensors": snap.tensors, "values": snap.values}
+    try:
+        report["chunks"] = _write_pieces(snap, tmp, global_rank)
+    except Exception as e:  # every rank must reach the next exchange to hear of it
+        report["error"] = f"writing {os.path.join(tmp, _rank_file(snap.rank))}: {e}"
+        report["chunks"] = {}
+    reports = _exchange(group, report)
+    outcome = None
+    if is_coordinator:
+        try:
+            failed = _failures(reports, group)
+            if failed:
+                raise CheckpointError("; ".join(failed))
+            metadata = _metadata(reports, snap.world_size, agreed[coordinator]["checksum"])
+            commit.crash_point("before-metadata", global_rank)
+            with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
+                f.write(metadata.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            commit.fsync_dir(tmp)
+            commit.crash_point("before-rename", global_rank)
+            commit.publish(tmp, path, agreed[coordinator]["token"])
+        except Exception as e:  # the others wait for the outcome: always send one
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = f"{e}" if isinstance(e, CheckpointError) else f"committing: {e}"
+        else:
+            if after_publish is not None:
+                try:
+                    after_publish()
+                except Exception as e:
+                    outcome = f"saved {path}, but updating its folder failed: {e}"
+    if group is not None:
+        outcome = dist.broadcast_object(outcome, src=group.ranks[coordinator], group=group)
+    if outcome is not None:
+        raise CheckpointError(f"rank {global_rank}: saving {path} failed: {outcome}")
+
+
+def _group_and_rank(process_group):
+    if not dist.is_initialized():
+        return None, 0, 1
+    group = dist.get_default_group() if process_group is None else process_group
+    return group, group.rank, group.size
+
+
+def save(
+    state_dict: dict,
+    path: str | os.PathLike,
+    *,
+    process_group=None,
+    coordinator_rank: int = 0,
+    after_publish: Callable[[], None] | None = None,
+) -> None:
+    """Save ``state_dict`` (every rank calls it with its own pieces) as the checkpoint ``path``,
+    atomically: afterwards ``path`` holds either the new checkpoint or, on any error or crash,
+    whatever it held before. Replicated arrays are written once; DTensor pieces once per
+    distinct piece. ``after_publish`` runs on the coordinator once the checkpoint is in place,
+    before any rank returns (``CheckpointManager`` moves ``latest`` there)."""
+    group, rank, world = _group_and_rank(process_group)
+    wait_for_async(group)
+    snap = take_snapshot(state_dict, rank, world, copy=False)
+    write_and_commit(snap, os.fspath(path), group, coordinator_rank, after_publish)
+
+
+# -- async --------------------------------------------------------------------------------------
+
+
+class SaveFuture(concurrent.futures.Future):
+    """The outcome of an :func:`async_save`. ``result()`` (or ``wait()``) waits and raises its
+    error; an error nobody has seen that way is raised by the next save instead."""
+
+    reported = False
+
+    def result(self, timeout: float | None = None):
+        self.reported = True
+        return super().result(timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.result(timeout)
+
+
+class _Background:
+    """One rank's saves in flight (at most one), the group their collectives use (so that
+    they never interleave with the training loop's collectives on the default group), and the
+    worker thread that runs them. The worker stays for a while after a save, because starting
+    a thread costs the caller milliseconds on a busy machine; it leaves when idle, and a save
+    still running when the interpreter exits is waited for."""
+
+    IDLE_SECONDS = 10.0
+
+    def __init__(self) -> None:
+        self.future: SaveFuture | None = None
+        self.groups: dict[str, Any] = {}
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None], name: str) -> None:
+        with self.lock:
+            self.jobs.put(job)
+            if self.worker is None:
+                self.worker = threading.Thread(target=self._work, name=name, daemon=True)
+                self.worker.start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get(timeout=self.IDLE_SECONDS)
+            except queue.Empty:
+                with self.lock:
+                    if self.jobs.empty():
+                        self.worker = None
+                        return
+                continue
+            job()
+
+
+_background: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_background_lock = threading.Lock()
+
+
+_single_process = _Background()
+
+
+def _state_for(group) -> _Background:
+    if group is None:
+        return _single_process
+    with _background_lock:
+        return _background.setdefault(group, _Background())
+
+
+def wait_for_async(group) -> None:
+    """Wait for this rank's save in flight, raising its error (an error is never dropped)."""
+    state = _state_for(group)
+    future, state.future = state.future, None
+    if future is not None and not future.reported:
+        future.result()
+    elif future is not None:
+        concurrent.futures.wait([future])
+
+
+def async_save(
+    state_dict: dict,
+    path: str | os.PathLike,
+    *,
+    process_group=None,
+    coordinator_rank: int = 0,
+    after_publish: Callable[[], None] | None = None,
+) -> SaveFuture:
+    """Like :func:`save`, but return once the state is copied (device -> host for cupy, a
+    snapshot for numpy); writing, fsync and commit run on a background thread. The future's
+    ``result()`` raises what went wrong; so does the next save, which first waits for this one
+    (one save in flight: memory stays at one snapshot)."""
+    group, rank, world = _group_and_rank(process_group)
+    wait_for_async(group)
+    state = _state_for(group)
+    if group is None:
+        background_group = None
+    elif process_group is None:
+        if "world" not in state.groups:
+            state.groups["world"] = dist.new_group()  # every rank, in the same order
+        background_group = state.groups["world"]
+    else:
+        background_group = process_group
+    snap = take_snapshot(state_dict, rank, world, copy=True)
+    future = SaveFuture()
+
+    def run() -> None:
+        try:
+            write_and_commit(
+                snap, os.fspath(path), background_group, coordinator_rank, after_publish
+            )
+        except BaseException as e:  # the caller gets it from the future
+            future.set_exception(e)
+        else:
+            future.set_result(None)
+
+    state.future = future
+    _in_flight.add(future)
+    future.add_done_callback(_in_flight.discard)
+    state.submit(run, f"checkpoint-save-rank{rank}")
+    return future
+
+
+_in_flight: set[SaveFuture] = set()
+
+
+@atexit.register
+def _finish_saves_in_flight() -> None:
+    concurrent.futures.wait(list(_in_flight))

@@ -1,0 +1,55 @@
+"""Gradient clipping over sharded gradients: each rank's part of the norm from its own rows,
+summed (or, for the infinity norm, maxed) over the shard group only. Replicated copies (the
+replicate dimension of hybrid sharding, NO_SHARD) hold the same rows and are not counted
+again; that is what makes the norm equal the single-process one."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ... import distributed as dist
+
+
+def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the total norm exceeds
+    ``max_norm``; returns the total norm (of the gradients before clipping), as torch does.
+    ``norm_type``: any p > 0, or ``inf``."""
+    p = float(norm_type)
+    if not (p > 0):
+        raise ValueError(
+            f"rank {dist.get_rank()}: clip_grad_norm_ takes norm_type > 0 or inf, got {norm_type}"
+        )
+    infinite = math.isinf(p)
+    partial: dict[int, list[Any]] = {}  # per shard group: [group, value]
+    grads, xp = [], np
+    for unit in model.fsdp_units():
+        xp = unit.xp  # where the group's backend takes its arrays
+        key = id(unit.group) if unit.n > 1 else 0
+        entry = partial.setdefault(key, [unit.group if unit.n > 1 else None, 0.0])
+        for piece in unit.pieces:
+            g = piece.param.grad
+            if g is None:
+                continue
+            grads.append(g)
+            if g.size == 0:
+                continue
+            a = abs(g.astype(np.float64))
+            value = float(a.max()) if infinite else float((a**p).sum())
+            entry[1] = max(entry[1], value) if infinite else entry[1] + value
+    total = 0.0
+    for group, value in partial.values():
+        if group is not None:
+            buf = xp.asarray([value], dtype=np.float64)
+            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+            dist.all_reduce(buf, op=op, group=group)
+            value = float(buf[0])
+        total = max(total, value) if infinite else total + value
+    norm = total if infinite else total ** (1.0 / p)
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g *= coefficient
+    return norm

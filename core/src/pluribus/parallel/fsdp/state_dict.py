@@ -1,0 +1,208 @@
+"""State dicts of sharded models and their optimizers, keyed by parameter name.
+
+Sharded (no communication): each parameter, and each of its optimizer state arrays, as a
+DTensor with the parameter's layout (``Shard(0)``, global shape kept), which
+``pluribus.checkpoint`` saves and reshards on load. Full: plain arrays on rank 0, gathered one
+unit at a time, so no rank ever holds more than one unit's gathered parameters besides the
+result (empty dicts on the other ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ... import distributed as dist
+from ...dtensor import DTensor
+from ...nn.module import array_namespace
+
+
+def _index(model: Any) -> dict[int, tuple[Any, int]]:
+    """id(parameter) -> (unit, position of its piece in the unit)."""
+    return {
+        id(piece.param): (unit, i)
+        for unit in model.fsdp_units()
+        for i, piece in enumerate(unit.pieces)
+    }
+
+
+def _host(array: Any) -> Any:
+    return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else array
+
+
+def sharded_state_dict(model: Any) -> dict[str, Any]:
+    index = _index(model)
+    out: dict[str, Any] = {}
+    for name, param in model.named_parameters():
+        unit, i = index[id(param)]
+        out[name] = unit.dtensor(unit.pieces[i], unit.shard_views[i].copy())
+    out.update({name: b.copy() for name, b in model.named_buffers()})
+    return out
+
+
+def _local_rows(unit: Any, i: int, value: Any, what: str) -> Any:
+    """This rank's rows of ``value``: a DTensor (any layout of the same global shape) or the
+    whole array."""
+    piece = unit.pieces[i]
+    if isinstance(value, DTensor):
+        if value.shape != piece.shape:
+            raise ValueError(
+                f"rank {dist.get_rank()}: {what} has global shape {value.shape} in the state "
+                f"but {piece.shape} in the model"
+            )
+        if value.layout == unit.layout(piece):
+            return value.to_local()
+        value = value.full_tensor()
+    if tuple(value.shape) != piece.shape:
+        raise ValueError(
+            f"rank {dist.get_rank()}: {what} has shape {tuple(value.shape)} in the state but "
+            f"{piece.shape} in the model"
+        )
+    start = piece.starts[unit.me]
+    return value[start : start + piece.sizes[unit.me]]
+
+
+def load_sharded_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
+    """Load DTensors (any layout: others are gathered first) or whole arrays into the shards."""
+    index = _index(model)
+    for unit in model.fsdp_units():  # gathered parameters would go stale
+        unit.reshard()
+    names = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    if strict:
+        missing = sorted((set(names) | set(buffers)) - set(state))
+        unexpected = sorted(set(state) - set(names) - set(buffers))
+        if missing or unexpected:
+            raise KeyError(
+                f"rank {dist.get_rank()}: load_state_dict: missing keys {missing}, unexpected "
+                f"keys {unexpected}"
+            )
+    for name, param in names.items():
+        if name in state:
+            unit, i = index[id(param)]
+            rows = _local_rows(unit, i, state[name], repr(name))
+            target = unit.shard_views[i]
+            target[...] = array_namespace(target).asarray(_host_or_device(rows, target))
+    for name, target in buffers.items():
+        if name in state:
+            target[...] = array_namespace(target).asarray(state[name], dtype=target.dtype)
+
+
+def _host_or_device(rows: Any, target: Any) -> Any:
+    return _host(rows) if isinstance(target, np.ndarray) else rows
+
+
+def full_state_dict(model: Any) -> dict[str, Any]:
+    """Whole parameters (numpy) and buffers on global rank 0, one unit gathered at a time."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    out: dict[str, Any] = {}
+    on_zero = dist.get_rank() == 0
+    for unit in model.fsdp_units():
+        fulls = unit.gather_full(unit.shard_views, unit.dtype)
+        if on_zero:
+            for piece, full in zip(unit.pieces, fulls, strict=True):
+                out[names[id(piece.param)]] = np.array(_host(full))
+        del fulls
+    if on_zero:
+        out.update({name: np.array(_host(b)) for name, b in model.named_buffers()})
+    return out
+
+
+def _group_entries(optimizer: Any, names: dict[int, str]) -> list[dict[str, Any]]:
+    return [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [names[id(p)] for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
+
+
+def optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+    """``{"state": {name: {key: DTensor or scalar}}, "param_groups": [...], "step_count"}``:
+    state arrays as DTensors with their parameter's layout, counters as plain numbers."""
+    index = _index(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    state: dict[str, dict[str, Any]] = {}
+    for param, entry in zip(optimizer.params, optimizer.state, strict=True):
+        unit, i = index[id(param)]
+        state[names[id(param)]] = {
+            key: unit.dtensor(unit.pieces[i], value.copy())
+            if getattr(value, "ndim", 0) > 0
+            else value.item()
+            for key, value in entry.items()
+        }
+    return {
+        "state": state,
+        "param_groups": _group_entries(optimizer, names),
+        "step_count": optimizer.step_count,
+    }
+
+
+def full_optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The same with whole numpy arrays, on global rank 0 only, one unit at a time."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    by_param = {id(p): entry for p, entry in zip(optimizer.params, optimizer.state, strict=True)}
+    on_zero = dist.get_rank() == 0
+    state: dict[str, dict[str, Any]] = {}
+    for unit in model.fsdp_units():
+        entries = [by_param.get(id(piece.param), {}) for piece in unit.pieces]
+        keys = sorted({k for e in entries for k, v in e.items() if getattr(v, "ndim", 0) > 0})
+        for key in keys:
+            local = [
+                e[key] if key in e else unit.xp.zeros(unit.shard_views[i].shape, unit.dtype)
+                for i, e in enumerate(entries)
+            ]
+            fulls = unit.gather_full(local, unit.dtype)
+            if on_zero:
+                for piece, full in zip(unit.pieces, fulls, strict=True):
+                    state.setdefault(names[id(piece.param)], {})[key] = np.array(_host(full))
+        if on_zero:
+            for piece, entry in zip(unit.pieces, entries, strict=True):
+                for key, value in entry.items():
+                    if getattr(value, "ndim", 0) == 0:
+                        state.setdefault(names[id(piece.param)], {})[key] = value.item()
+    if not on_zero:
+        return {}
+    return {
+        "state": state,
+        "param_groups": _group_entries(optimizer, names),
+        "step_count": optimizer.step_count,
+    }
+
+
+def load_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any]) -> None:
+    """Load a sharded or a full optimizer state dict (the full one given on every rank)."""
+    index = _index(model)
+    positions = {name: k for k, (name, p) in enumerate(_named_in(optimizer, model))}
+    for name, entry in osd["state"].items():
+        if name not in positions:
+            raise KeyError(
+                f"rank {dist.get_rank()}: the optimizer state names parameter {name!r}, which "
+                "this optimizer does not hold"
+            )
+        k = positions[name]
+        param = optimizer.params[k]
+        unit, i = index[id(param)]
+        loaded: dict[str, Any] = {}
+        for key, value in entry.items():
+            if isinstance(value, DTensor) or getattr(value, "ndim", 0) > 0:
+                rows = _local_rows(unit, i, value, f"{name!r} state {key!r}")
+                target = unit.shard_views[i]
+                loaded[key] = (
+                    array_namespace(target)
+                    .asarray(_host_or_device(rows, target), dtype=target.dtype)
+                    .copy()
+                )
+            else:
+                loaded[key] = np.array(value, dtype=np.int64 if isinstance(value, int) else None)
+        optimizer.state[k] = loaded
+    for group, saved in zip(optimizer.param_groups, osd.get("param_groups", []), strict=False):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optimizer.step_count = int(osd.get("step_count", optimizer.step_count))
+
+
+def _named_in(optimizer: Any, model: Any) -> list[tuple[str, Any]]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [(names[id(p)], p) for p in optimizer.params]

@@ -1,0 +1,289 @@
+"""One shared-memory segment per group whose ranks all share this host, and the flags that
+order the ranks' work on it.
+
+Every member owns a *slot* its peers can read, split in two halves used in turn, and a few
+control words, each on its own cache line:
+
+- ``stage``: how many phases this rank has published. A phase is "I wrote my part of the current
+  half, and read everything the previous phase promised"; a rank publishes by incrementing its
+  own counter and waits until every peer's counter has caught up.
+- ``announce``: the collective this rank is running (sequence number, kind, dtype, op, count),
+  written like a seqlock, so that a peer that runs something else is named at once instead of
+  hanging until the timeout.
+- ``sleeping``: set while the rank sleeps in ``poll``; a publisher that sees it rings the rank's
+  socket.
+
+Each *round* of a collective starts with a write into one half and a publish, and ends with the
+reads of that half; the next round uses the other half. A rank writes into a half only after every
+peer has published the first phase of the round in between, which it does only after finishing
+its reads of the round before: two halves are enough, and no rank ever waits for "done reading".
+(The pipelined all-reduce in :mod:`pluribus_gloo.local` reads one round while it writes the
+round after next into the same half, on regions that do not overlap.)
+
+The segment is created by the group's rank 0 and named to the others through the group's store;
+rank 0 unlinks it as soon as everyone has mapped it (or failed to), so it never outlives the
+processes. A group uses it only when every member mapped it; otherwise it keeps the rings.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+
+import numpy as np
+from pluribus.errors import CollectiveMismatchError
+
+from . import shm, wire
+from .engine import Op
+
+log = logging.getLogger("pluribus.gloo")
+
+ARENA_ENV = "PLURIBUS_GLOO_ARENA"
+ARENA_BYTES_ENV = "PLURIBUS_GLOO_ARENA_BYTES"
+#: Bytes of one half of a rank's slot: the most one rank writes per round.
+DEFAULT_HALF_BYTES = 1 << 20
+LINE = 64
+# the control words of one rank, as indices into the control block seen as uint64
+WORDS_PER_RANK = 5 * LINE // 8
+STAGE, ANN_SEQ, ANN_CODE, ANN_COUNT, SLEEPING = 0, 8, 16, 24, 32
+#: How long a waiter polls the flags itself before it hands the wait to the engine (which checks
+#: for dead peers, timeouts and aborts, and sleeps). Off when the host has more ranks than cores.
+SPIN_SECONDS = float(os.environ.get("PLURIBUS_GLOO_ARENA_SPIN_US", 100)) / 1e6
+
+
+def _control_bytes(size: int) -> int:
+    return size * WORDS_PER_RANK * 8
+
+
+class Arena:
+    """One rank's view of its group's segment."""
+
+    def __init__(self, segment: mmap.mmap, size: int, rank: int, half: int, engine, ranks, timeout):
+        self.group_name = ""  # for error messages
+        self.segment = segment
+        self.timeout = timeout
+        self.size = size
+        self.rank = rank
+        self.half = half
+        self.engine = engine
+        self.world_ranks = list(ranks)  # group rank -> engine rank
+        control = _control_bytes(size)
+        self.control = memoryview(segment)[:control].cast("Q")
+        base = [r * WORDS_PER_RANK for r in range(size)]
+        self.stage_index = [b + STAGE for b in base]
+        self.mine = base[rank]
+        data = np.frombuffer(segment, dtype=np.uint8, offset=control)
+        # halves[h][r]: the uint8 view of rank r's half h
+        self.halves = [
+            [data[(2 * r + h) * half : (2 * r + h + 1) * half] for r in range(size)] for h in (0, 1)
+        ]
+        self.typed: dict[np.dtype, list[list[np.ndarray]]] = {}
+        self.stage = self.control[self.mine + STAGE]
+        self.round = 0
+        self.peers = [r for r in range(size) if r != rank]
+        self.spin = 0.0 if engine.yield_while_spinning else SPIN_SECONDS
+        self.call_seq = 0
+        self.call_code = 0
+        self.call_count = 0
+        self.unchecked = False
+
+    # -- what a collective uses
+    def begin(
+        self, seq: int, kind: int, dtype: int, opcode: int, count: int, root: int = -1
+    ) -> None:
+        """Announce the collective this rank now runs (checked by peers while they wait)."""
+        c, m = self.control, self.mine
+        code = kind | dtype << 8 | opcode << 16 | (root + 1) << 24
+        c[m + ANN_SEQ] = 0  # the seqlock: readers skip an announcement being rewritten
+        c[m + ANN_CODE] = code
+        c[m + ANN_COUNT] = count
+        c[m + ANN_SEQ] = seq
+        self.call_seq, self.call_code, self.call_count = seq, code, count
+        self.unchecked = True
+
+    def next_half(self, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's half for the next round, as whole arrays of ``dtype`` (views made once
+        per dtype: slicing a cached view costs less than making one per call)."""
+        self.round += 1
+        typed = self.typed.get(dtype)
+        if typed is None:
+            typed = self.typed[dtype] = [[h.view(dtype) for h in pair] for pair in self.halves]
+        return typed[self.round & 1]
+
+    def sync(self) -> None:
+        """Publish one phase and wait until every peer has published it too."""
+        self.stage += 1
+        c = self.control
+        c[self.mine + STAGE] = self.stage
+        engine = self.engine
+        for peer in self.peers:
+            if c[peer * WORDS_PER_RANK + SLEEPING]:
+                c[peer * WORDS_PER_RANK + SLEEPING] = 0
+                engine._ring_doorbell(engine.links[self.world_ranks[peer]])
+        if self._arrived() or self._spin():
+            if self.unchecked:
+                self._check_after_arrival()
+            return
+        op = Op(self._describe, {self.world_ranks[p] for p in self.peers}, True)
+        op.pending = 1
+        for peer in op.members:
+            op.waiting_on[peer] = 1
+        op.poll = self._poll
+        engine.wait(op, self.timeout)
+        if self.unchecked:
+            self._check_after_arrival()
+
+    def _spin(self) -> bool:
+        """Poll the flags for up to ``self.spin`` seconds, yielding the CPU every other poll: on a
+        busy host the peer we wait for may be queued on this very CPU (measured: a pure spin
+        costs about its whole length per call there), on an idle one a yield returns at once."""
+        if not self.spin:
+            return False
+        deadline = time.monotonic() + self.spin
+        polls = 0
+        while True:
+            if self._arrived():
+                return True
+            polls += 1
+            if polls & 1 == 0:
+                os.sched_yield()
+            if time.monotonic() > deadline:
+                return False
+
+    def _check_after_arrival(self) -> None:
+        """Every peer has published the first phase of this call, so each has announced it (or
+        moved past it, which it does only after checking ours)."""
+        self.unchecked = False
+        error = self._mismatch()
+        if error is not None:
+            engine = self.engine
+            with engine.mutex:
+                engine._fail(error, "mismatch", -1)
+            raise error
+
+    # -- waiting
+    def _arrived(self) -> bool:
+        c, target = self.control, self.stage
+        for i in self.stage_index:
+            if c[i] < target:
+                return False
+        return True
+
+    def _poll(self, op: Op) -> bool:
+        """Called by the engine's wait loop under its lock: finish ``op`` when every peer has
+        published, or fail the engine when a peer announced a different collective."""
+        if self._arrived():
+            op.pending = 0
+            return True
+        error = self._mismatch()
+        if error is not None:
+            self.engine._fail(error, "mismatch", -1)
+        return False
+
+    def _mismatch(self) -> CollectiveMismatchError | None:
+        """The error to raise when a peer announced another collective under our number."""
+        c, seq = self.control, self.call_seq
+        for peer in self.peers:
+            base = peer * WORDS_PER_RANK
+            if c[base + ANN_SEQ] != seq:
+                continue
+            code, count = c[base + ANN_CODE], c[base + ANN_COUNT]
+            if c[base + ANN_SEQ] != seq:
+                continue  # rewritten while we read it
+            if (code, count) == (self.call_code, self.call_count):
+                continue
+            theirs = _describe_code(code, count)
+            mine = _describe_code(self.call_code, self.call_count)
+            return CollectiveMismatchError(
+                f"rank {self.rank}: collective mismatch in {self._describe()}: rank {peer} "
+                f"called {theirs} as its collective #{seq} while rank {self.rank} called {mine} "
+                f"as #{seq}; every rank of a group must call the same collectives in the same "
+                "order, with the same dtype, sizes and op"
+            )
+        return None
+
+    def _describe(self) -> str:
+        what = _describe_code(self.call_code, self.call_count)
+        return f"{what} on group {self.group_name!r}"
+
+    def set_sleeping(self, flag: int) -> None:
+        self.control[self.mine + SLEEPING] = flag
+
+    def close(self) -> None:
+        self.control.release()
+        self.control = None
+        self.halves = None
+        self.typed = {}
+        try:
+            self.segment.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+
+
+def _describe_code(code: int, count: int) -> str:
+    what = wire.describe(code & 0xFF, code >> 8 & 0xFF, code >> 16 & 0xFF, count)
+    root = (code >> 24) - 1
+    return what if root < 0 else f"{what[:-1]}, root {root})"
+
+
+def wanted(options: dict) -> bool:
+    setting = options.get("arena", os.environ.get(ARENA_ENV, "1"))
+    return str(setting).lower() not in ("0", "false", "off", "no")
+
+
+def half_bytes(options: dict) -> int:
+    value = int(options.get("arena_bytes", os.environ.get(ARENA_BYTES_ENV, DEFAULT_HALF_BYTES)))
+    return max(4096, value - value % 4096)
+
+
+def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, options: dict):
+    """Agree through the group's store on one segment for the whole group; None when any member
+    cannot use one (a peer on another host, shared memory off, a failure to map)."""
+    size = len(ranks)
+    if size < 2:
+        return None
+    half = half_bytes(options)
+    local = wanted(options) and all(
+        r in engine.links and engine.links[r].shm for r in ranks if r != ranks[rank]
+    )
+    total = _control_bytes(size) + 2 * size * half
+    if rank != 0:
+        store.set(f"arena/able/{rank}", "1" if local else "0")
+        name = store.get("arena/name", timeout).decode()
+        segment = None
+        if name:
+            try:
+                segment = shm.open_mapping(name, total)
+            except OSError as exc:
+                log.info("gloo: cannot map the group's shared memory %s (%s)", name, exc)
+        store.set(f"arena/mapped/{rank}", "1" if segment is not None else "0")
+        if name and store.get("arena/verdict", timeout) == b"1":
+            return Arena(segment, size, rank, half, engine, ranks, timeout)
+        if segment is not None:
+            segment.close()
+        return None
+    able = local and all(store.get(f"arena/able/{r}", timeout) == b"1" for r in range(1, size))
+    if not able:
+        store.set("arena/name", "")
+        return None
+    try:
+        name, segment = shm.create_mapping(total)
+    except OSError as exc:
+        log.info("gloo: cannot create the group's shared memory (%s); using the rings", exc)
+        store.set("arena/name", "")
+        return None
+    try:
+        store.set("arena/name", name)
+        mapped = all(store.get(f"arena/mapped/{r}", timeout) == b"1" for r in range(1, size))
+    except BaseException:
+        segment.close()
+        raise
+    finally:
+        shm.unlink(name)
+    store.set("arena/verdict", "1" if mapped else "0")
+    if not mapped:
+        segment.close()
+        return None
+    return Arena(segment, size, rank, half, engine, ranks, timeout)

@@ -1,0 +1,165 @@
+"""Collectives of a group whose ranks all share this host, run on the group's arena.
+
+Each rank copies what its peers need into its own slot once, and every rank then reads its
+peers' slots directly with numpy (``out=`` into the destination, no staging buffer, no message):
+
+- all-reduce, small (all copies together up to ``ONE_SHOT_BYTES``): every rank copies its
+  array into its slot, then reduces all slots in rank order (every rank computes every element,
+  in the same order, so all get identical results);
+- all-reduce, large: per round of one half's worth of elements, split into ``p`` parts, a rank
+  copies the ``p - 1`` parts it does not own into its slot, reduces its own part straight out of
+  its input and the peers' slots into its slot, then copies every rank's reduced part into its
+  array (a reduce-scatter then an all-gather, 2 - 1/p copies per byte beside the reduction),
+  with the rounds pipelined so that ``K`` rounds take ``K + 1`` syncs;
+- reduce-scatter: the same first half; all-gather: one copy in, one copy out per byte;
+  broadcast: the root copies in, the others copy out; barrier: one phase.
+
+Every round ends its writes with an :meth:`Arena.sync`; :mod:`pluribus_gloo.arena` explains why
+two halves per slot are enough.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from pluribus.algorithms import chunk_bounds
+from pluribus.arrays import byte_view
+
+#: An all-reduce whose ``p`` copies together take at most this many bytes reduces whole arrays
+#: in one phase (every rank reads them all); above, each rank reduces one part and gathers the
+#: parts (a ``p``-th of the reading, one more sync). Measured on 2 cores: one phase wins up to
+#: 512 KiB at 2 ranks and 256 KiB at 4 (benchmarks/gloo_arena_tuning.py).
+ONE_SHOT_BYTES = int(os.environ.get("PLURIBUS_GLOO_ONE_SHOT_BYTES", 1 << 20))
+
+
+def _reduce_in_order(ufunc, parts: list[np.ndarray], out: np.ndarray) -> None:
+    """``out = parts[0] op parts[1] op ...``, left to right (``out`` may alias ``parts[0]`` or
+    ``parts[1]`` only)."""
+    ufunc(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        ufunc(out, part, out=out)
+
+
+def all_reduce(arena, data: np.ndarray, ufunc) -> None:
+    if data.nbytes * arena.size <= ONE_SHOT_BYTES and data.nbytes <= arena.half:
+        _all_reduce_one_shot(arena, data, ufunc)
+    else:
+        _all_reduce_two_phase(arena, data, ufunc)
+
+
+def _all_reduce_one_shot(arena, data: np.ndarray, ufunc) -> None:
+    halves = arena.next_half(data.dtype)
+    n = data.size
+    halves[arena.rank][:n] = data
+    arena.sync()
+    if arena.size == 2:
+        ufunc(halves[0][:n], halves[1][:n], out=data)
+    else:
+        _reduce_in_order(ufunc, [h[:n] for h in halves], data)
+
+
+def _all_reduce_two_phase(arena, data: np.ndarray, ufunc) -> None:
+    """Reduce-scatter + all-gather in rounds, software-pipelined: in one phase a rank copies out
+    round ``k - 2``, reduces its part of round ``k - 1`` and copies in round ``k``, so ``K`` rounds
+    take ``K + 1`` syncs. Part ``q`` of every round lives in region ``q`` of each half, so the
+    copy-in of round ``k`` (the regions a rank does not own) never touches what its peers read in
+    the copy-out of round ``k - 2`` (the region it owns) in the same phase."""
+    p, r = arena.size, arena.rank
+    region = arena.half // (p * data.itemsize)
+    per_round = region * p
+    starts = list(range(0, data.size, per_round))
+    rounds: list = [None] * len(starts)
+    for phase in range(len(starts) + 2):
+        if phase >= 2:
+            _copy_out(rounds[phase - 2], region, p)
+            rounds[phase - 2] = None
+        if 1 <= phase <= len(starts):
+            _reduce_own_part(rounds[phase - 1], region, r, p, ufunc)
+        if phase < len(starts):
+            chunk = data[starts[phase] : starts[phase] + per_round]
+            rounds[phase] = _copy_in(arena, chunk, region, r, p)
+        if phase <= len(starts):
+            arena.sync()
+
+
+def _copy_in(arena, chunk: np.ndarray, region: int, r: int, p: int):
+    """Copy the parts of ``chunk`` that the peers reduce into their regions of this rank's half."""
+    slots = arena.next_half(chunk.dtype)
+    bounds = chunk_bounds(chunk.size, p)
+    mine = slots[r]
+    for q in range(p):
+        if q != r:
+            lo, hi = bounds[q], bounds[q + 1]
+            mine[q * region : q * region + hi - lo] = chunk[lo:hi]
+    return chunk, bounds, slots
+
+
+def _reduce_own_part(state, region: int, r: int, p: int, ufunc) -> None:
+    """Reduce part ``r`` (in rank order) into region ``r`` of this rank's half."""
+    chunk, bounds, slots = state
+    lo, hi = bounds[r], bounds[r + 1]
+    at = r * region
+    parts = [chunk[lo:hi] if j == r else slots[j][at : at + hi - lo] for j in range(p)]
+    _reduce_in_order(ufunc, parts, slots[r][at : at + hi - lo])
+
+
+def _copy_out(state, region: int, p: int) -> None:
+    """Copy every rank's reduced part (region ``q`` of rank ``q``'s half) into the chunk."""
+    chunk, bounds, slots = state
+    for q in range(p):
+        lo, hi = bounds[q], bounds[q + 1]
+        chunk[lo:hi] = slots[q][q * region : q * region + hi - lo]
+
+
+def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None:
+    p, r = arena.size, arena.rank
+    per_block = max(1, arena.half // (out.itemsize * p))
+    longest = max(x.size for x in ins)
+    others = [j for j in range(p) if j != r]
+    for lo in range(0, longest, per_block):
+        slots = arena.next_half(out.dtype)
+        mine = slots[r]
+        for q in others:
+            block = ins[q][lo : lo + per_block]
+            mine[q * per_block : q * per_block + block.size] = block
+        arena.sync()
+        own = ins[r][lo : lo + per_block]
+        m = own.size
+        if m == 0:
+            continue
+        start = r * per_block
+        theirs = [slots[j][start : start + m] for j in others]
+        # own first: the output may be the input's memory
+        _reduce_in_order(ufunc, [own, *theirs], out[lo : lo + m])
+
+
+def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
+    r = arena.rank
+    per_round = max(1, arena.half // src.itemsize)
+    longest = max(o.size for o in outs)
+    for lo in range(0, longest, per_round):
+        slots = arena.next_half(src.dtype)
+        piece = src[lo : lo + per_round]
+        slots[r][: piece.size] = piece
+        arena.sync()
+        for q, out in enumerate(outs):
+            if q != r:
+                dest = out[lo : lo + per_round]
+                dest[...] = slots[q][: dest.size]
+
+
+def broadcast(arena, data: np.ndarray, src: int) -> None:
+    raw = byte_view(data)
+    for lo in range(0, raw.size, arena.half):
+        slots = arena.next_half(raw.dtype)
+        piece = raw[lo : lo + arena.half]
+        if arena.rank == src:
+            slots[src][: piece.size] = piece
+        arena.sync()
+        if arena.rank != src:
+            piece[...] = slots[src][: piece.size]
+
+
+def barrier(arena) -> None:
+    arena.sync()

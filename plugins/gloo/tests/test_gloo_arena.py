@@ -1,0 +1,341 @@
+"""The single-host data path: a group's shared arena and the collectives that run on it.
+
+In one process (threads standing in for ranks, over one mapping) the algorithms are checked
+against numpy for random sizes, half sizes and rank counts; with real processes, every
+collective is checked against numpy on the world and on a sub-group, with halves small enough
+that the round structure is exercised, and the promises are kept: mismatches and timeouts raise
+at once on every rank, and no segment is left behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import threading
+import time
+
+import numpy as np
+import pluribus as pb
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pluribus.errors import CollectiveMismatchError, DistTimeoutError
+from pluribus.store import HashStore, PrefixStore
+from pluribus.testing import RanksFailed, run_ranks
+from pluribus_gloo import arena as arena_mod
+from pluribus_gloo import local
+from pluribus_gloo.engine import Op
+
+
+def gloo_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/plrb-*"))
+
+
+# -- one process: threads as ranks ----------------------------------------------------------------
+
+
+class _Link:
+    shm = True
+
+
+class _FakeEngine:
+    """What an arena needs from the engine: a lock, failure, and a wait loop over ``op.poll``."""
+
+    yield_while_spinning = False
+
+    def __init__(self, size: int):
+        self.links = {r: _Link() for r in range(size)}
+        self.mutex = threading.Lock()
+        self.failed = None
+        self.arenas = []
+
+    def _fail(self, error, code, origin):
+        self.failed = self.failed or error
+
+    def _ring_doorbell(self, link):
+        pass
+
+    def wait(self, op: Op, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.mutex:
+                if self.failed is not None:
+                    raise self.failed
+                op.poll(op)
+                if op.pending == 0:
+                    return
+            if time.monotonic() > deadline:
+                raise DistTimeoutError(f"{op.what} timed out")
+            time.sleep(0)
+
+
+def _thread_arenas(size: int, half: int):
+    """``size`` arenas over one anonymous mapping, as the ranks of one group would see it."""
+    total = arena_mod._control_bytes(size) + 2 * size * half
+    segment = mmap.mmap(-1, total)
+    engines = [_FakeEngine(size) for _ in range(size)]
+    return [
+        arena_mod.Arena(segment, size, r, half, engines[r], list(range(size)), 10.0)
+        for r in range(size)
+    ]
+
+
+def _in_threads(arenas, fn):
+    results, errors = [None] * len(arenas), []
+
+    def run(r):
+        try:
+            results[r] = fn(arenas[r], r)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(arenas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return results
+
+
+def _announce(a, kind, count):
+    a.call_seq += 1
+    a.begin(a.call_seq, kind, 0, 0, count)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    size=st.integers(2, 4),
+    n=st.integers(0, 3000),
+    half=st.sampled_from([4096, 8192]),
+    one_shot=st.sampled_from([0, 1 << 20]),
+    calls=st.integers(1, 3),
+)
+def test_arena_algorithms_match_numpy(size, n, half, one_shot, calls):
+    """Back-to-back all-reduces, reduce-scatters (uneven), all-gathers (uneven) and broadcasts,
+    with rounds much smaller than the arrays, give numpy's answer on every rank, and every
+    rank's all-reduce is bit-identical (the same sums in the same order)."""
+    arenas = _thread_arenas(size, half)
+    rng = np.random.default_rng(n)
+    inputs = rng.standard_normal((calls, size, n)).astype(np.float32)
+    blocks = [n // size + (q % 2) * 3 for q in range(size)]  # uneven blocks
+    scatter_in = rng.integers(-100, 100, (size, sum(blocks))).astype(np.int64)
+
+    def rank_fn(a, r):
+        out = []
+        for c in range(calls):
+            x = inputs[c, r].copy()
+            _announce(a, 2, n)
+            local.all_reduce(a, x, np.add)
+            out.append(x)
+        ins = np.split(scatter_in[r], np.cumsum(blocks)[:-1])
+        got = np.empty(blocks[r], dtype=np.int64)
+        _announce(a, 6, sum(blocks))
+        local.reduce_scatter(a, got, list(ins), np.add)
+        outs = [np.full(blocks[q], -1, dtype=np.int64) for q in range(size)]
+        outs[r][...] = ins[r]
+        _announce(a, 5, sum(blocks))
+        local.all_gather(a, outs, ins[r])
+        root = size - 1
+        b = inputs[0, r].copy()
+        _announce(a, 3, n)
+        local.broadcast(a, b, root)
+        local.barrier(a)
+        return out, got, outs, b
+
+    default, local.ONE_SHOT_BYTES = local.ONE_SHOT_BYTES, one_shot
+    try:
+        results = _in_threads(arenas, rank_fn)
+    finally:
+        local.ONE_SHOT_BYTES = default
+    starts = np.concatenate([[0], np.cumsum(blocks)])
+    for r, (out, got, outs, b) in enumerate(results):
+        for c in range(calls):
+            np.testing.assert_allclose(out[c], inputs[c].sum(axis=0), rtol=1e-5, atol=1e-5)
+            assert out[c].tobytes() == results[0][0][c].tobytes()
+        expected = scatter_in[:, starts[r] : starts[r + 1]].sum(axis=0)
+        np.testing.assert_array_equal(got, expected)
+        for q in range(size):
+            np.testing.assert_array_equal(outs[q], scatter_in[q, starts[q] : starts[q + 1]])
+        np.testing.assert_array_equal(b, inputs[0, size - 1])
+
+
+def test_arena_mismatch_is_found_even_without_waiting():
+    """Both ranks publish before either looks: each still compares the other's announcement."""
+    a, b = _thread_arenas(2, 4096)
+
+    def rank_fn(arena, r):
+        arena.begin(1, 2, 11, 1, 12 if r == 1 else 10)
+        try:
+            arena.sync()
+        except CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    messages = _in_threads([a, b], rank_fn)
+    for r, message in enumerate(messages):
+        assert "12 elements" in message and "10 elements" in message, message
+        assert f"rank {1 - r} called" in message, message
+
+
+def test_arena_broadcast_roots_must_agree():
+    a, b = _thread_arenas(2, 4096)
+
+    def rank_fn(arena, r):
+        arena.begin(1, 3, 11, 0, 100, root=r)  # each rank thinks it is the root
+        try:
+            local.broadcast(arena, np.zeros(100, dtype=np.float32), r)
+        except CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    for message in _in_threads([a, b], rank_fn):
+        assert "root 0" in message and "root 1" in message, message
+
+
+def _setup(ranks_ok: list[bool]):
+    """Run the store agreement on threads; return each rank's arena (or None)."""
+    size = len(ranks_ok)
+    store = PrefixStore("g", HashStore())
+    engines = [_FakeEngine(size) for _ in range(size)]
+    opts = [{"arena": "1" if ok else "0", "arena_bytes": 4096} for ok in ranks_ok]
+    got = [None] * size
+
+    def run(r):
+        got[r] = arena_mod.open_arena(engines[r], list(range(size)), r, store, 10.0, opts[r])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got
+
+
+def test_arena_setup_agrees_and_leaves_nothing_in_dev_shm():
+    before = gloo_segments()
+    arenas = _setup([True, True, True])
+    assert all(a is not None for a in arenas)
+    assert gloo_segments() == before, "the segment is unlinked once every rank has mapped it"
+    arenas[2].halves[0][2][:4] = 7  # one mapping: what rank 2 writes, rank 0 reads
+    assert list(arenas[0].halves[0][2][:4]) == [7, 7, 7, 7]
+    for a in arenas:
+        a.close()
+    # one member that cannot (or will not) share: nobody uses an arena
+    assert _setup([True, False, True]) == [None, None, None]
+    assert gloo_segments() == before
+
+
+# -- real processes -------------------------------------------------------------------------------
+
+
+def _every_collective(sub_ranks: list[int]) -> dict:
+    """Every arena collective on the world and on a sub-group, against numpy."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    sub = pb.new_group(sub_ranks)
+    report = {"world": pb.get_default_group().backends["cpu"].arena is not None}
+    if rank in sub_ranks:
+        report["sub"] = sub.backends["cpu"].arena is not None
+    for group, members in ((None, list(range(size))), (sub, sub_ranks)):
+        if rank not in members:
+            continue
+        p, me = len(members), members.index(rank)
+        for n in (0, 3, 1000, 70_000):  # 70 000 float64: several rounds of 64 KiB halves
+            for dtype, op, reference in (
+                (np.float64, pb.ReduceOp.SUM, np.sum),
+                (np.int32, pb.ReduceOp.MAX, np.max),
+                (np.float32, pb.ReduceOp.AVG, np.mean),
+            ):
+                every = [(np.arange(n) % 97 * (j + 1)).astype(dtype) for j in members]
+                x = every[me].copy()
+                pb.all_reduce(x, op=op, group=group)
+                np.testing.assert_allclose(x, reference(np.stack(every), axis=0), rtol=1e-6)
+            blocks = [n // p + (q == 0) for q in range(p)]
+            ins = [np.full(blocks[q], me + 10 * q, dtype=np.int64) for q in range(p)]
+            out = np.empty(blocks[me], dtype=np.int64)
+            pb.reduce_scatter(out, ins, group=group)
+            assert (out == sum(j + 10 * me for j in range(p))).all()
+            outs = [np.empty(blocks[q], dtype=np.float32) for q in range(p)]
+            pb.all_gather(outs, np.full(blocks[me], me, dtype=np.float32), group=group)
+            assert all((outs[q] == q).all() for q in range(p))
+            for root in range(p):
+                b = np.full(n, me, dtype=np.uint8)
+                pb.broadcast(b, src=members[root], group=group)
+                assert (b == root).all()
+            pb.barrier(group=group)
+    if rank in sub_ranks:
+        engine = sub.backends["cpu"].engine
+        before = len(engine.arenas)
+        pb.destroy_process_group(sub)
+        report["released"] = len(engine.arenas) == before - 1
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world, sub_ranks", [(2, [0, 1]), (3, [0, 2])])
+def test_gloo_arena_collectives_on_processes(world, sub_ranks):
+    got = run_ranks(
+        _every_collective,
+        world,
+        "gloo",
+        "processes",
+        timeout=90,
+        args=(sub_ranks,),
+        backend_options={"arena_bytes": 64 << 10},
+    )
+    for rank, report in enumerate(got):
+        assert report["world"], "every rank is on this host: the world uses an arena"
+        if rank in sub_ranks:
+            assert report["sub"], "so does a sub-group of them"
+            assert report["released"], "destroying the sub-group unmaps its arena"
+
+
+def _uses_arena() -> bool:
+    pb.all_reduce(np.ones(10))
+    return pb.get_default_group().backends["cpu"].arena is not None
+
+
+@pytest.mark.timeout(60)
+def test_gloo_arena_can_be_turned_off():
+    assert run_ranks(_uses_arena, 2, "gloo", "processes", env={"PLURIBUS_GLOO_ARENA": "0"}) == [
+        False,
+        False,
+    ]
+
+
+def _arena_vs_ring_collective() -> None:
+    x = np.ones(100, dtype=np.float32)
+    if pb.get_rank() == 1:
+        pb.gather(x, [np.empty_like(x) for _ in range(2)], dst=1)  # not an arena collective
+    else:
+        pb.all_reduce(x)
+
+
+def _one_rank_late() -> float:
+    group = pb.new_group([0, 1], timeout=1.5)
+    if pb.get_rank() == 1:
+        time.sleep(4)
+        return 0.0
+    start = time.monotonic()
+    with pytest.raises(DistTimeoutError, match="rank 0"):
+        pb.all_reduce(np.ones(10), group=group)
+    return time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_gloo_arena_mismatch_with_a_ring_collective_raises_on_every_rank():
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_arena_vs_ring_collective, 2, "gloo", "processes", timeout=30)
+    assert time.monotonic() - start < 20, "a mismatch is reported at once, not at a timeout"
+    errors = {e.rank: e for e in info.value.errors}
+    assert sorted(errors) == [0, 1]
+    for error in errors.values():
+        assert error.kind == "CollectiveMismatchError", error
+        assert "gather" in error.message and "all_reduce" in error.message, error.message
+
+
+@pytest.mark.timeout(60)
+def test_gloo_arena_wait_times_out():
+    took = run_ranks(_one_rank_late, 2, "gloo", "processes", timeout=30)[0]
+    assert 1.0 < took < 3.5, took

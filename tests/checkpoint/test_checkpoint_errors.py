@@ -1,0 +1,204 @@
+"""Bad input and damaged checkpoints: a clear error on every rank, naming what is wrong, and
+the previous checkpoint untouched."""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import resource
+import signal
+
+import numpy as np
+import pluribus as pb
+import pytest
+from ckpt_cases import build_state, random_layout, save_body
+from pluribus import checkpoint
+from pluribus.checkpoint import CheckpointError
+from pluribus.dtensor import Partial, distribute_tensor, init_device_mesh
+from pluribus.testing import RanksFailed, run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT2 = random_layout(np.random.default_rng(3), 2, (2,))
+LAYOUT2["tensors"]["model.layers.0.weight"] = [[0, [4, 3]]]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = str(tmp_path / "c")
+    assert run_ranks(save_body, 2, args=(LAYOUT2, path)) == [True, True]
+    return path
+
+
+def _load_into(path, edit=None, strict=True, only_rank=None):
+    state = build_state(LAYOUT2, fill=False)
+    if edit is not None and (only_rank is None or pb.get_rank() == only_rank):
+        edit(state)
+    checkpoint.load(state, path, strict=strict)
+    return state
+
+
+def _every_rank_says(excinfo, *words, world=2):
+    errors = excinfo.value.errors
+    assert [e.rank for e in errors] == list(range(world)), excinfo.value
+    for e in errors:
+        assert e.kind == "CheckpointError", excinfo.value
+        for word in words:
+            assert word in e.message, (word, e.message)
+
+
+def _drop_bias(state):
+    del state["model"]["layers"][0]["bias"]
+
+
+def _add_extra(state):
+    state["extra"] = np.zeros(3)
+
+
+def test_missing_and_extra_keys_are_listed_and_strict_false_allows_them(saved):
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved, _drop_bias))
+    _every_rank_says(excinfo, "model.layers.0.bias", "strict=False")
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved, _add_extra))
+    _every_rank_says(excinfo, "extra", "missing from the checkpoint")
+    states = run_ranks(_load_into, 2, args=(saved, _add_extra, False))
+    assert states[0]["step"] == 1234 and not states[0]["extra"].any()
+
+
+def _wrong_shape(state):
+    state["model"]["embedding"] = np.zeros((4, 4))
+
+
+def _wrong_dtype(state):
+    state["model"]["embedding"] = np.zeros((4, 3), np.float32)
+
+
+def test_shape_or_dtype_that_disagrees_fails_every_rank_even_if_only_one_is_wrong(saved):
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved, _wrong_shape, True, 1))
+    _every_rank_says(excinfo, "rank 1", "model.embedding", "[4, 3] float64", "[4, 4]")
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved, _wrong_dtype))
+    _every_rank_says(excinfo, "float32")
+
+
+def test_newer_format_version_and_missing_checkpoint(saved, tmp_path):
+    meta = os.path.join(saved, "metadata.json")
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["version"] = checkpoint.VERSION + 1
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved,))
+    _every_rank_says(excinfo, "newer", "upgrade pluribus")
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(str(tmp_path / "nothing"),))
+    _every_rank_says(excinfo, "is not a checkpoint")
+
+
+def _data_file(path) -> str:
+    return os.path.join(path, "rank-00000.safetensors")
+
+
+def test_missing_data_file_is_named(saved):
+    os.remove(_data_file(saved))
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved,))
+    _every_rank_says(excinfo, "rank-00000.safetensors", "cannot open")
+
+
+def test_a_flipped_byte_names_file_tensor_and_chunk(saved):
+    path = _data_file(saved)
+    with open(path, "rb") as f:
+        head = 8 + int.from_bytes(f.read(8), "little")
+    with open(path, "r+b") as f:
+        f.seek(head + 5)
+        byte = f.read(1)
+        f.seek(head + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved,))
+    _every_rank_says(excinfo, "checksum mismatch", "rank-00000.safetensors", "chunk at offsets")
+    assert "of 'model." in excinfo.value.errors[0].message or "of 'optim." in str(excinfo.value)
+    # verify=False is the user's explicit choice: the damaged value is then loaded as it is
+    assert run_ranks(_load_unverified, 2, args=(saved,)) == [True, True]
+
+
+def _load_unverified(path):
+    checkpoint.load(build_state(LAYOUT2, fill=False), path, verify=False)
+    return True
+
+
+def test_a_truncated_file_is_detected(saved):
+    path = _data_file(saved)
+    os.truncate(path, os.path.getsize(path) - 7)
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_load_into, 2, args=(saved,))
+    _every_rank_says(excinfo, "truncated")
+
+
+def _save_unsupported(path):
+    state = build_state(LAYOUT2, fill=True)
+    if pb.get_rank() == 1:
+        state["bad"] = object()
+    else:
+        state["bad"] = 1
+    checkpoint.save(state, path)
+
+
+def _save_partial(path):
+    mesh = init_device_mesh("cpu", (2,))
+    checkpoint.save({"x": distribute_tensor(np.ones(4), mesh, [Partial()])}, path)
+
+
+def test_bad_input_at_save_fails_every_rank_and_leaves_the_previous_checkpoint(saved):
+    before = {n: os.path.getmtime(os.path.join(saved, n)) for n in os.listdir(saved)}
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_save_unsupported, 2, args=(saved,))
+    _every_rank_says(excinfo, "rank 1", "'bad' is a object", "nothing was saved")
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(_save_partial, 2, args=(saved,))
+    _every_rank_says(excinfo, "Partial", "redistribute")
+    assert {n: os.path.getmtime(os.path.join(saved, n)) for n in os.listdir(saved)} == before
+    assert sorted(os.listdir(os.path.dirname(saved))) == ["c"]  # no temporary folder left
+    assert run_ranks(_load_into, 2, args=(saved,))[0]["step"] == 1234
+
+
+def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path):
+    """RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG, as a full disk fails them."""
+    path = str(tmp_path / "c")
+    checkpoint.save({"x": np.arange(10.0), "step": 1}, path)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, old[1]))
+    try:
+        with pytest.raises(CheckpointError, match="rank-00000.safetensors.*File too large"):
+            checkpoint.save({"x": np.zeros(1 << 18), "step": 2}, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    state = {"x": np.zeros(10), "step": 0}
+    checkpoint.load(state, path)
+    assert state["step"] == 1 and (state["x"] == np.arange(10.0)).all()
+
+
+def test_one_rank_out_of_space_fails_every_rank_and_removes_the_partial_save(saved, monkeypatch):
+    save_module = importlib.import_module("pluribus.checkpoint.save")
+    write_file = save_module.write_file
+
+    def full_on_rank1(path, *args, **kwargs):
+        if path.endswith("rank-00001.safetensors"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return write_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_file", full_on_rank1)
+    with pytest.raises(RanksFailed) as excinfo:
+        run_ranks(save_body, 2, args=(LAYOUT2, saved))
+    _every_rank_says(excinfo, "rank 1: writing", "No space left on device")
+    assert sorted(os.listdir(os.path.dirname(saved))) == ["c"]
+    assert run_ranks(_load_into, 2, args=(saved,))[0]["step"] == 1234

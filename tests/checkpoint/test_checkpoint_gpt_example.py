@@ -1,0 +1,46 @@
+"""The GPT example resumes from pluribus.checkpoint under --parallel fsdp (sharded model and
+optimizer state) with the same losses and model as a run that never stopped. (Under ddp the
+same is tested in tests/ddp/test_gpt_example.py.)"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pluribus.testing import run_ranks
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+spec = importlib.util.spec_from_file_location("train_gpt_checkpoint", EXAMPLE)
+train_gpt = importlib.util.module_from_spec(spec)
+sys.modules["train_gpt_checkpoint"] = train_gpt
+spec.loader.exec_module(train_gpt)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(limits=1):
+        yield
+
+
+def _args(folder, *extra):
+    small = ["--preset", "tiny", "--train-windows", 128, "--eval-windows", 16, "--epochs", 2]
+    small += ["--batch-size", 8, "--lr", 1e-2, "--warmup-steps", 2, "--sample-chars", 0]
+    small += ["--parallel", "fsdp", *extra]
+    return train_gpt.parse_args(["--checkpoint-dir", str(folder), *map(str, small)])
+
+
+def test_fsdp_run_resumed_from_its_checkpoint_equals_an_unbroken_one(tmp_path):
+    run_ranks(train_gpt.train, 2, "threads", args=(_args(tmp_path / "a", "--epochs-this-run", 1),))
+    resumed = run_ranks(train_gpt.train, 2, "threads", args=(_args(tmp_path / "a", "--resume"),))
+    assert resumed[0]["start_epoch"] == 1
+    assert (tmp_path / "a" / "step-2" / "metadata.json").exists()
+    unbroken = run_ranks(train_gpt.train, 2, "threads", args=(_args(tmp_path / "b"),))
+    for r in range(2):
+        tail = unbroken[r]["losses"][-len(resumed[r]["losses"]) :]
+        np.testing.assert_allclose(resumed[r]["losses"], tail, rtol=1e-6)
+    for name, value in unbroken[0]["state"].items():
+        np.testing.assert_allclose(resumed[0]["state"][name], value, rtol=1e-6, err_msg=name)

@@ -1,0 +1,88 @@
+"""The API's edges: manual unshard/reshard, the wrapper form, and bad input refused with an
+error naming the rank and what to do."""
+
+import numpy as np
+import pluribus
+import pytest
+from pluribus import nn
+from pluribus.device_mesh import init_device_mesh
+from pluribus.parallel import FullyShardedDataParallel, ShardingStrategy, fully_shard
+from pluribus.testing import RanksFailed, run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def unshard_on_rank():
+    model = nn.Sequential(nn.Linear(4, 5, rng=0), nn.Tanh(), nn.Linear(5, 3, rng=1))
+    whole = {name: p.data.copy() for name, p in model.named_parameters()}
+    fully_shard(model[0])
+    fully_shard(model)
+    shapes = {name: p.data.shape for name, p in model.named_parameters()}
+    model.unshard()  # the root's own parameters
+    model[0].unshard(async_op=True)
+    model[0].unshard()
+    gathered = {name: p.data.copy() for name, p in model.named_parameters()}
+    model[0].reshard()
+    model.reshard()
+    after = {name: p.data.shape for name, p in model.named_parameters()}
+    return shapes, gathered, after, whole
+
+
+def test_unshard_gives_whole_parameters_and_reshard_gives_the_rows_back():
+    for rank, (shapes, gathered, after, whole) in enumerate(
+        run_ranks(unshard_on_rank, 2, "threads")
+    ):
+        assert shapes == after
+        assert shapes["0.weight"] == ((3,) if rank == 0 else (2,)) + (4,)
+        for name, value in whole.items():
+            np.testing.assert_array_equal(gathered[name], value)
+
+
+def wrapper_on_rank():
+    model = nn.GPT(nn.GPTConfig(**nn.PRESETS["tiny"]), rng=0)
+    fsdp = FullyShardedDataParallel(model, sharding_strategy="shard_grad_op")
+    units = [u.name for u in fsdp.fsdp_units()]
+    names = [name for name, _ in fsdp.named_parameters()]
+    return units, names, sorted(fsdp.state_dict())
+
+
+def test_the_wrapper_makes_each_block_a_unit_and_keeps_the_names():
+    units, names, keys = run_ranks(wrapper_on_rank, 2, "threads")[0]
+    assert units == ["<root>", "blocks.0", "blocks.1"]
+    reference = nn.GPT(nn.GPTConfig(**nn.PRESETS["tiny"]), rng=0)
+    assert names == [name for name, _ in reference.named_parameters()]
+    assert keys == sorted(reference.state_dict())
+
+
+def _expect(fn, world, message):
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(fn, world, "threads", timeout=20)
+    for error in failed.value.errors:
+        assert message in error.message, error.message
+        assert f"rank {error.rank}" in error.message
+
+
+def hybrid_without_mesh():
+    fully_shard(nn.Linear(4, 4), strategy=ShardingStrategy.HYBRID_SHARD)
+
+
+def three_d_mesh():
+    fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1, 2)))
+
+
+def twice():
+    layer = fully_shard(nn.Linear(4, 4))
+    fully_shard(layer)
+
+
+def different_models():
+    width = 4 if pluribus.get_rank() == 0 else 6
+    model = fully_shard(nn.Linear(width, 4))
+    model.forward(np.ones((1, width), np.float32))
+
+
+def test_bad_input_is_refused_on_every_rank():
+    _expect(hybrid_without_mesh, 2, "HYBRID_SHARD needs a 2-d mesh")
+    _expect(three_d_mesh, 2, "FSDP takes a 1-d mesh, or a 2-d one")
+    _expect(twice, 2, "fully_shard was already applied")
+    _expect(different_models, 2, "FSDP needs the same units on every rank")

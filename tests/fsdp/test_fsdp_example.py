@@ -1,0 +1,41 @@
+"""The GPT example with ``--parallel fsdp`` trains the same model as with ``--parallel ddp``."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pluribus.testing import run_ranks
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+spec = importlib.util.spec_from_file_location("train_gpt_fsdp", EXAMPLE)
+train_gpt = importlib.util.module_from_spec(spec)
+sys.modules["train_gpt_fsdp"] = train_gpt
+spec.loader.exec_module(train_gpt)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(limits=1):
+        yield
+
+
+def _args(parallel):
+    small = ["--preset", "tiny", "--train-windows", 128, "--eval-windows", 16, "--epochs", 1]
+    small += ["--batch-size", 8, "--lr", 1e-2, "--warmup-steps", 2, "--sample-chars", 10]
+    return train_gpt.parse_args(["--checkpoint-dir", "", "--parallel", parallel, *map(str, small)])
+
+
+def test_gpt_example_under_fsdp_equals_ddp():
+    ddp = run_ranks(train_gpt.train, 2, "threads", args=(_args("ddp"),))
+    fsdp = run_ranks(train_gpt.train, 2, "threads", args=(_args("fsdp"),))
+    for r in range(2):
+        np.testing.assert_allclose(fsdp[r]["losses"], ddp[r]["losses"], rtol=1e-4)
+    assert fsdp[0]["held_out"] == pytest.approx(ddp[0]["held_out"], rel=1e-4)
+    assert fsdp[1]["state"] == {}  # the full state dict is gathered on rank 0 only
+    for name, value in ddp[0]["state"].items():
+        np.testing.assert_allclose(fsdp[0]["state"][name], value, rtol=1e-3, atol=1e-5)
