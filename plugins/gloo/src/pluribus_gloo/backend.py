@@ -133,7 +133,7 @@ class _Call:
                 raise _same_error(engine.failed)
             engine.begin(self.b.channel, self.seq, self.kind, self.root, self.describe)
             post()
-        engine.wait(self.op, self.b.timeout, (self.b.channel, self.seq, self.b.ranks))
+        engine.wait(self.op, self.b.timeout, (self.b.group_name, self.seq, self.b.ranks))
 
 
 class GlooBackend(Backend):

@@ -678,12 +678,12 @@ class Engine:
 
     def _absent(self, position: tuple, timeout: float) -> str:
         """After a timeout: which ranks of the group never reached this collective."""
-        channel, seq, ranks = position
+        group, seq, ranks = position
         missing = None
         if not self.store_down:
             try:
                 me = ranks.index(self.rank)
-                found = arrival.absent_ranks(self.store, f"reached/{channel}/{seq}", me, len(ranks))
+                found = arrival.absent_ranks(self.store, f"reached/{group}/{seq}", me, len(ranks))
                 missing = [ranks[r] for r in found]
             except Exception:
                 self.store_down = True
@@ -781,7 +781,7 @@ class Engine:
     def wait(self, op: Op, timeout: float, position: tuple | None = None) -> None:
         """Drive the engine until ``op`` is complete; raise its error, a dead peer's or a
         timeout (after which the engine is unusable when the op was a collective).
-        ``position`` (channel, sequence number, the group's ranks) lets a timed-out
+        ``position`` (group name, sequence number, the group's ranks) lets a timed-out
         collective name the ranks that never reached it."""
         start = time.monotonic()
         deadline = start + timeout
