@@ -76,3 +76,52 @@ def test_a_killed_rank_leaves_no_shared_memory_segment(tmp_path):
     assert names, "MPICH mapped no /dev/shm segment (nothing to check)"
     left = sorted(n for n in names if os.path.exists(n))
     assert not left, f"left behind after the job: {left}"
+
+
+MISMATCH = """
+import numpy as np
+import pluribus as pb
+
+pb.init_process_group("mpi", timeout=20)
+rank = pb.get_rank()
+cases = {
+    "dtype": lambda: pb.all_reduce(np.ones(1024, np.int32 if rank == 0 else np.float32)),
+    "op": lambda: pb.all_reduce(
+        np.ones(1024, np.float32), op=pb.ReduceOp.MAX if rank == 0 else pb.ReduceOp.SUM
+    ),
+    "root": lambda: pb.broadcast(np.ones(1024, np.float32), src=1 if rank == 3 else 0),
+}
+for name, call in cases.items():
+    try:
+        call()
+        print(f"rank {rank} {name}: returned", flush=True)
+    except Exception as exc:
+        said = "disagree" if "disagree" in str(exc) else str(exc)
+        print(f"rank {rank} {name}: {said}", flush=True)
+x = np.ones(4, np.float32)
+pb.all_reduce(x)
+print(f"rank {rank} then: {x[0]:.0f}", flush=True)
+pb.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_detail_catches_dtype_op_and_root_mismatches_on_mpi(tmp_path):
+    if os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK"):
+        pytest.skip("starts its own MPI job")
+    script = tmp_path / "mismatch.py"
+    script.write_text(textwrap.dedent(MISMATCH))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
+    env["PLURIBUS_DEBUG"] = "DETAIL"
+    done = subprocess.run(
+        [_mpiexec(), "-n", "4", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        start_new_session=True,
+    )
+    for rank in range(4):
+        for case in ("dtype", "op", "root"):
+            assert f"rank {rank} {case}: disagree" in done.stdout, done.stdout + done.stderr
+        assert f"rank {rank} then: 4" in done.stdout, done.stdout + done.stderr
