@@ -639,7 +639,8 @@ class Engine:
         how = f" ({exc})" if exc is not None else ""
         link.eof_detail = (
             f"closed its connection{how}: the process died, was killed or exited without "
-            "destroy_process_group"
+            "destroy_process_group. Restart the job (pluribus-run restarts it when given "
+            "--max-restarts)"
         )
         if not self.closed and self.failed is None:
             link.forwarded = self._forwarded_error(link.peer)
