@@ -27,7 +27,7 @@ with open(os.path.join(sys.argv[1], f"segments{rank}"), "w") as f:
         f.writelines(w + "\\n" for w in line.split() if w.startswith("/dev/shm/mpich"))
 x = np.ones(1 << 18, np.float32)
 pb.all_reduce(x)
-if rank == 2:
+if rank == int(sys.argv[2]):
     time.sleep(0.3)
     os.kill(os.getpid(), signal.SIGKILL)
 for _ in range(1000000):
@@ -44,7 +44,8 @@ def _mpiexec() -> str:
 
 
 @pytest.mark.timeout(90)
-def test_a_killed_rank_leaves_no_shared_memory_segment(tmp_path):
+@pytest.mark.parametrize("victim", [2, 0, 3])
+def test_a_killed_rank_leaves_no_shared_memory_segment(tmp_path, victim):
     if os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK"):
         pytest.skip("starts its own MPI job")
     script = tmp_path / "job.py"
@@ -52,7 +53,7 @@ def test_a_killed_rank_leaves_no_shared_memory_segment(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
     start = time.monotonic()
     proc = subprocess.Popen(
-        [_mpiexec(), "-n", "4", sys.executable, str(script), str(tmp_path)],
+        [_mpiexec(), "-n", "4", sys.executable, str(script), str(tmp_path), str(victim)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
