@@ -7,6 +7,7 @@ and numpy's ufuncs dispatch to cupy through ``__array_ufunc__``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -60,11 +61,33 @@ def is_integer_like(dtype: np.dtype) -> bool:
     return dtype.kind in "biu"
 
 
+@functools.cache
+def _cupy_installed() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+def check_cuda_array(array: Any, rank: int) -> None:
+    """Refuse an object that looks like a cupy array (its type's module starts with "cupy") for
+    a backend that carries cupy arrays, when cupy is not installed: the backend would fail in
+    the middle of the call, after it may have sent something."""
+    if not _cupy_installed():
+        raise TypeError(
+            f"rank {rank}: the array is a {type(array).__module__}.{type(array).__name__}, which "
+            "pluribus takes for a cupy array, but cupy is not installed here; pass a numpy "
+            "array, or install cupy"
+        )
+
+
 def check_array(array: Any, what: str, rank: int, writable: bool = True) -> None:
     """Refuse anything a backend cannot send in place, before anything is sent."""
     if not hasattr(array, "dtype") or not hasattr(array, "flags"):
         raise TypeError(
             f"rank {rank}: {what} must be a numpy or cupy array, got {type(array).__name__}"
+        )
+    if not isinstance(array, np.ndarray) and device_of(array) == "cpu":
+        raise TypeError(
+            f"rank {rank}: {what} must be a numpy or cupy array, got "
+            f"{type(array).__module__}.{type(array).__name__}; convert it with np.asarray"
         )
     if not array.flags.c_contiguous:
         raise ValueError(

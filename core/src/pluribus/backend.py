@@ -18,10 +18,35 @@ from typing import Any
 from .errors import DistTimeoutError, PeerError
 from .work import Work
 
-# Tags from 0 up to USER_TAG_LIMIT belong to users' send/recv; the core's generic collectives use
-# tags at or above it, so a user's message never matches a collective's.
+# The tag budget: every tag pluribus puts on a message, by range, so that no two kinds of
+# message ever match each other. A backend that carries fewer tag bits says so (max_tag) and is
+# refused at group creation rather than failing in the middle of a job.
+#: Users' send/recv: [0, 2**24).
 USER_TAG_LIMIT = 1 << 24
+#: Collectives (the core's generic ones, and a backend's native ones above it): [2**24, 2**25).
 COLLECTIVE_TAG = USER_TAG_LIMIT
+#: Added to the tags of the debug aids' own exchanges (PLURIBUS_DEBUG=DETAIL fingerprints).
+DEBUG_TAG_SHIFT = 1 << 25
+#: Every tag within one group is below this.
+GROUP_TAG_LIMIT = 1 << 26
+#: A sub-group carried over its parent's connections adds ``k << SUBGROUP_TAG_SHIFT``, with
+#: 1 <= k <= SUBGROUP_SPACES.
+SUBGROUP_TAG_SHIFT = 40
+SUBGROUP_SPACES = 1 << 18
+#: The largest tag the core may hand a backend.
+MAX_TAG = (SUBGROUP_SPACES << SUBGROUP_TAG_SHIFT) | (GROUP_TAG_LIMIT - 1)
+
+
+def check_tag_budget(backend: Backend, rank: int) -> None:
+    """Refuse a backend that cannot carry every tag of the budget (at group creation)."""
+    limit = getattr(backend, "max_tag", None)
+    if limit is not None and limit < MAX_TAG:
+        raise ValueError(
+            f"rank {rank}: the {backend.name} backend carries tags up to {limit}, but pluribus "
+            f"uses tags up to {MAX_TAG} (users' below 2**24, collectives below 2**25, the debug "
+            f"aids' below 2**26, sub-group k adding k << {SUBGROUP_TAG_SHIFT}); the backend "
+            "must map that range onto its own tags and declare max_tag accordingly"
+        )
 
 
 class Backend:
@@ -33,6 +58,9 @@ class Backend:
     """
 
     name = "backend"
+    #: The largest tag this backend can carry (None: any non-negative 64-bit tag); see the tag
+    #: budget above.
+    max_tag: int | None = None
     #: Whether this backend notices a dead peer itself and raises PeerError naming it (and
     #: honours its ``timeout`` in every wait). When False, the core watches the ranks through
     #: lifelines (:mod:`pluribus.lifeline`), calls :meth:`abort` when one fails, and runs the
@@ -154,7 +182,7 @@ class _Sender:
 def subgroup_tag_shift(group_name: str) -> int:
     """The tag offset of a sub-group: derived from its name, which every rank agrees on (ranks
     outside a group never see it created, so a per-process counter would disagree)."""
-    return ((zlib.crc32(group_name.encode()) & 0x3FFFF) + 1) << 40
+    return ((zlib.crc32(group_name.encode()) % SUBGROUP_SPACES) + 1) << SUBGROUP_TAG_SHIFT
 
 
 class SubgroupView(Backend):

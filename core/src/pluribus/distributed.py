@@ -6,9 +6,12 @@ group-local ones. Every argument is checked here, on the calling rank, before an
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pickle as _pickle
+import socket
 import threading
+import warnings
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -16,15 +19,15 @@ from urllib.parse import urlparse
 import numpy as np
 
 from . import codec, plugins
-from .arrays import check_array, check_op, device_of
-from .backend import USER_TAG_LIMIT
+from .arrays import check_array, check_cuda_array, check_op, device_of
+from .backend import USER_TAG_LIMIT, check_tag_budget
 from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .lifeline import Lifeline
 from .operations import OPERATIONS
 from .plugins import default_backend, get_plugin_manager, resolve_backend
-from .store import DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
+from .store import AUTH_TOKEN_ENV, DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
 from .types import BackendContext, ReduceOp
 from .work import Work
 
@@ -141,6 +144,7 @@ def _rendezvous(
         return FileStore(url.path, timeout), rank, world_size
     else:
         raise ValueError(f"init_method {init_method!r}: use env://, tcp://host:port or file://path")
+    _take_secret(host)
     # The launcher may already serve the store; then rank 0 is a client like the others.
     served = env.get("PLURIBUS_STORE_SERVED") == "1"
     store = TCPStore(host, port, is_master=(rank == 0 and not served), timeout=timeout)
@@ -168,6 +172,37 @@ def rendezvous(
     if found is None:
         found = _rendezvous(init_method, rank, world_size, seconds)
     return found
+
+
+#: A job's shared secret for env:// and tcp:// jobs started without pluribus-run (which sets
+#: PLURIBUS_AUTH_TOKEN itself): the store, the gloo mesh and the lifelines all answer to it.
+SECRET_ENV = "PLURIBUS_SECRET"
+_warned_no_secret = False
+
+
+def _take_secret(host: str) -> None:
+    """Adopt ``PLURIBUS_SECRET`` as the job's auth token; warn once when a job without one
+    rendezvouses on an address other hosts can reach."""
+    global _warned_no_secret
+    env = os.environ
+    if env.get(SECRET_ENV) and not env.get(AUTH_TOKEN_ENV):
+        env[AUTH_TOKEN_ENV] = env[SECRET_ENV]
+    if env.get(AUTH_TOKEN_ENV) or _warned_no_secret or _is_loopback(host):
+        return
+    _warned_no_secret = True
+    warnings.warn(
+        f"this job rendezvouses on {host}, which other hosts can reach, without a shared "
+        f"secret: anyone who can connect can read and overwrite the store and pose as a rank. "
+        f"Set {SECRET_ENV} to the same random value on every rank (pluribus-run sets one)",
+        stacklevel=4,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def init_process_group(
@@ -237,6 +272,7 @@ def _create_group(
                 options=options,
             )
             made[backend_name] = spec.create(ctx)
+            check_tag_budget(made[backend_name], rank)
         backends[device] = made[backend_name]
     lifeline = None
     if any(not backend.detects_failures for backend in made.values()):
@@ -323,6 +359,7 @@ def new_group(
                 device=device,
             )
             made[id(backend)] = backend.new_subgroup(members, ctx)
+            check_tag_budget(made[id(backend)], local)
         backends[device] = made[id(backend)]
     group = ProcessGroup(
         name, members, local, backends, seconds, parent.store, parent.gpu_staging, parent.lifeline
@@ -374,10 +411,19 @@ def _check_reduction(g: ProcessGroup, array: Any, op: ReduceOp, what: str) -> st
     return _check_backend_op(g, array, op)
 
 
+def _carrier(g: ProcessGroup, array: Any):
+    """The backend that carries ``array``; an object that only looks like a cupy array is
+    refused here, before a backend that carries cupy arrays starts sending it."""
+    backend = g.backend_for(array)
+    if "cuda" in backend.devices and device_of(array) == "cuda":
+        check_cuda_array(array, g.global_rank)
+    return backend
+
+
 def _check_backend_op(g: ProcessGroup, array: Any, op: ReduceOp) -> str:
     """Check ``op`` on ``array``'s dtype and backend; return the array's device."""
     check_op(op, array.dtype, g.global_rank)
-    backend = g.backend_for(array)
+    backend = _carrier(g, array)
     reason = backend.unsupported(np.dtype(array.dtype), op)
     if reason:
         raise TypeError(f"rank {g.global_rank}: backend {backend.name!r}: {reason}")
@@ -463,7 +509,7 @@ def broadcast(
     """Copy rank ``src``'s ``array`` into ``array`` on every rank."""
     g = _group(group)
     check_array(array, "array", g.global_rank)
-    g.backend_for(array)
+    _carrier(g, array)
     local = g.group_rank(src, "src")
     return _issue(g, "broadcast", device_of(array), async_op, array, local)
 
@@ -493,7 +539,7 @@ def all_gather(
     g = _group(group)
     r = g.global_rank
     check_array(array, "array", r, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     if isinstance(output, (list, tuple)):
         outputs = list(output)
         if len(outputs) != g.size:
@@ -582,7 +628,7 @@ def all_to_all(
             f"{len(inputs)} and {len(outputs)}"
         )
     check_array(inputs[0], "inputs[0]", r, writable=False)
-    g.backend_for(inputs[0])
+    _carrier(g, inputs[0])
     for i in range(g.size):
         _check_same(inputs[0], inputs[i], f"inputs[{i}]", r)
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
@@ -637,7 +683,7 @@ def gather(
     g = _group(group)
     r = g.global_rank
     check_array(array, "array", r, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     local = g.group_rank(dst, "dst")
     if g.rank == local:
         if gather_list is None or len(gather_list) != g.size:
@@ -662,7 +708,7 @@ def scatter(
     g = _group(group)
     r = g.global_rank
     check_array(array, "array", r)
-    g.backend_for(array)
+    _carrier(g, array)
     local = g.group_rank(src, "src")
     if g.rank == local:
         if scatter_list is None or len(scatter_list) != g.size:
@@ -704,14 +750,14 @@ def _peer(g: ProcessGroup, peer: int, what: str, tag: int) -> int:
 def send(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     _issue(g, "send", device_of(array), False, array, _peer(g, dst, "dst", tag), tag)
 
 
 def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
     g = _group(group)
     check_array(array, "array", g.global_rank)
-    g.backend_for(array)
+    _carrier(g, array)
     _issue(g, "recv", device_of(array), False, array, _peer(g, src, "src", tag), tag)
     return src
 
@@ -719,14 +765,14 @@ def recv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) 
 def isend(array: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
-    g.backend_for(array)
+    _carrier(g, array)
     return _issue(g, "send", device_of(array), True, array, _peer(g, dst, "dst", tag), tag)
 
 
 def irecv(array: Any, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     g = _group(group)
     check_array(array, "array", g.global_rank)
-    g.backend_for(array)
+    _carrier(g, array)
     return _issue(g, "recv", device_of(array), True, array, _peer(g, src, "src", tag), tag)
 
 

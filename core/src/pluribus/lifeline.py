@@ -23,6 +23,10 @@ from .tcp_mesh import connect_mesh
 
 _BYE, _ABORT = b"B", b"A"
 DIED = "died: its process exited or was killed"
+#: The longest line a lifeline carries (an abort reason is cut to 4000 bytes); a peer that
+#: sends more without a line end is not speaking this protocol and counts as failed.
+MAX_LINE = 8192
+GARBLED = "failed: it sent a malformed lifeline message"
 
 
 class Lifeline:
@@ -122,6 +126,8 @@ class Lifeline:
                 self._failed(peer, f"aborted: {line[1:].decode(errors='replace')}")
             elif line.startswith(_BYE):
                 self._said_bye.add(peer)
+        if len(inbox) > MAX_LINE:
+            data, died = b"", GARBLED
         if data:
             return
         self._selector.unregister(sock)

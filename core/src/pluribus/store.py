@@ -246,17 +246,36 @@ _OK, _TIMEOUT, _MISSING = 0, 1, 2
 _HELLO = b"PLRBSTR1"
 
 
+#: The most fields one store command may carry (``check`` sends one per key).
+MAX_FIELDS = 4096
+#: The largest key or value the store server accepts; a longer field announced by a client is
+#: refused before any of it is read.
+MAX_FIELD_BYTES = int(os.environ.get("PLURIBUS_STORE_MAX_VALUE_BYTES", 64 << 20))
+#: Bytes are read in pieces of at most this size, so what a peer announces costs memory only as
+#: it actually arrives.
+_READ_PIECE = 1 << 20
+
+
 def recv_exact(sock: socket.socket, n: int, what: str = "store connection") -> bytes:
-    """Exactly ``n`` bytes from ``sock``; ConnectionError when the other side closes first."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+    """Exactly ``n`` bytes from ``sock``; ConnectionError when the other side closes first.
+
+    Memory grows with the bytes received, not with ``n``: a peer that announces a large length
+    and sends nothing costs nothing.
+    """
+    buf = bytearray(min(n, _READ_PIECE))
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        if got == len(buf):
+            buf.extend(bytes(min(n - got, len(buf))))
+        k = sock.recv_into(memoryview(buf)[got:])
         if k == 0:
             raise ConnectionError(f"{what} closed by the other side")
         got += k
     return bytes(buf)
+
+
+class ProtocolError(ConnectionError):
+    """A peer sent something this protocol never sends (a length beyond the limits)."""
 
 
 def _send_fields(sock: socket.socket, op: int, *fields: bytes) -> None:
@@ -269,9 +288,16 @@ def _send_fields(sock: socket.socket, op: int, *fields: bytes) -> None:
 
 def _recv_fields(sock: socket.socket) -> tuple[int, list[bytes]]:
     op, count = struct.unpack("!BI", recv_exact(sock, 5))
+    if count > MAX_FIELDS:
+        raise ProtocolError(f"a store command with {count} fields (at most {MAX_FIELDS})")
     fields = []
     for _ in range(count):
         (n,) = struct.unpack("!Q", recv_exact(sock, 8))
+        if n > MAX_FIELD_BYTES:
+            raise ProtocolError(
+                f"a store field of {n} bytes (at most {MAX_FIELD_BYTES}; raise "
+                "PLURIBUS_STORE_MAX_VALUE_BYTES on the server for larger values)"
+            )
         fields.append(recv_exact(sock, n))
     return op, fields
 
@@ -362,6 +388,8 @@ class _TCPStoreServer:
             while True:
                 op, f = _recv_fields(conn)
                 self._handle(conn, op, f)
+        except ProtocolError as exc:
+            log.warning("store: dropped a client that sent %s", exc)
         except (OSError, ConnectionError, struct.error):
             pass
         finally:
@@ -462,6 +490,13 @@ class TCPStore(Store):
         return sock
 
     def _call(self, op: int, *fields: bytes, wait: float = 0.0) -> list[bytes]:
+        for field in fields:
+            if len(field) > MAX_FIELD_BYTES:
+                raise ValueError(
+                    f"a store key or value of {len(field)} bytes is larger than the store takes "
+                    f"({MAX_FIELD_BYTES}); store large data elsewhere, or raise "
+                    "PLURIBUS_STORE_MAX_VALUE_BYTES on every process"
+                )
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._local.sock = self._connect(self.timeout)

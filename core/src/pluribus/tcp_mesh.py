@@ -11,9 +11,12 @@ gloo's data mesh and ucc's lifelines.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import queue
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -21,6 +24,10 @@ from .errors import AuthenticationError, DistTimeoutError, PeerError, PluribusEr
 from .store import AUTH_TOKEN_ENV, client_handshake, recv_exact, server_handshake
 
 IFNAME_ENV = "PLURIBUS_SOCKET_IFNAME"
+#: How long one incoming connection may take to authenticate and greet: connections are
+#: handshaken concurrently, so a silent one costs only its own slot.
+HANDSHAKE_SECONDS = float(os.environ.get("PLURIBUS_HANDSHAKE_SECONDS", 5.0))
+log = logging.getLogger("pluribus.tcp_mesh")
 _RANK = struct.Struct("!I")
 
 
@@ -121,23 +128,7 @@ def connect_mesh(
                 sock.close()
                 raise
             peers[peer] = _greeted(sock, peer, greet)
-        while len(peers) < size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(rank + 1, size)) - set(peers))
-                raise DistTimeoutError(
-                    f"rank {rank}: ranks {missing} did not open their {what} to this rank "
-                    f"within {timeout:.0f}s; check that every rank started and can reach "
-                    f"{address}:{port} (choose the interface with {IFNAME_ENV})"
-                )
-            listener.settimeout(min(left, 1.0))
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                continue
-            peer = _accept(sock, rank, size, token, what, deadline, set(peers))
-            if peer is not None:
-                peers[peer] = _greeted(sock, peer, greet)
+        _admit_all(listener, rank, size, token, what, deadline, timeout, greet, peers, address)
     except BaseException:
         for sock in peers.values():
             sock.close()
@@ -145,6 +136,94 @@ def connect_mesh(
     finally:
         listener.close()
     return peers
+
+
+def _admit_all(listener, rank, size, token, what, deadline, timeout, greet, peers, address):
+    """Accept the higher ranks' connections until every one is in ``peers``.
+
+    Each connection is authenticated and greeted on a thread of its own, within
+    ``HANDSHAKE_SECONDS``: a connection that stays silent or fails the handshake is dropped
+    without delaying the others (an idle connection to the port must not stall set-up).
+    """
+    results: queue.Queue = queue.Queue()
+    pending: set[socket.socket] = set()
+    claimed: set[int] = set()
+    lock = threading.Lock()
+
+    def admit(sock: socket.socket) -> None:
+        per_connection = min(deadline, time.monotonic() + HANDSHAKE_SECONDS)
+        peer = None
+        try:
+            peer = _accept(sock, rank, size, token, what, per_connection)
+            if peer is not None:
+                with lock:
+                    if peer in claimed:
+                        peer = None
+                    else:
+                        claimed.add(peer)
+            if peer is None:
+                sock.close()
+                results.put(None)
+                return
+            sock.settimeout(max(0.1, per_connection - time.monotonic()))
+            results.put((peer, _greeted(sock, peer, greet)))
+        except (OSError, ConnectionError) as exc:
+            log.info("rank %d: dropped a %s during its handshake (%s)", rank, what, exc)
+            sock.close()
+            if peer is not None:
+                with lock:
+                    claimed.discard(peer)
+            results.put(None)
+        except BaseException as exc:
+            sock.close()
+            results.put(exc)
+        finally:
+            with lock:
+                pending.discard(sock)
+
+    listener.settimeout(0.05)
+    try:
+        while len(peers) < size - 1:
+            while True:
+                try:
+                    result = results.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(result, BaseException):
+                    raise result
+                if result is not None:
+                    peers[result[0]] = result[1]
+            if len(peers) == size - 1:
+                break
+            if deadline - time.monotonic() <= 0:
+                missing = sorted(set(range(rank + 1, size)) - set(peers))
+                raise DistTimeoutError(
+                    f"rank {rank}: ranks {missing} did not open their {what} to this rank "
+                    f"within {timeout:.0f}s; check that every rank started and can reach "
+                    f"{address}:{listener.getsockname()[1]} (choose the interface with "
+                    f"{IFNAME_ENV})"
+                )
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with lock:
+                pending.add(sock)
+            threading.Thread(
+                target=admit, args=(sock,), name="pluribus-handshake", daemon=True
+            ).start()
+    finally:
+        with lock:
+            for sock in pending:  # wakes their threads at once
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if len(peers) < size - 1:  # failed: close what was admitted but not yet collected
+            while not results.empty():
+                result = results.get_nowait()
+                if isinstance(result, tuple):
+                    result[1].close()
 
 
 def _greeted(sock: socket.socket, peer: int, greet) -> socket.socket:
@@ -173,20 +252,17 @@ def _connect(host: str, port: int, deadline: float, rank: int, where: str) -> so
             delay = min(delay * 2, 0.5)
 
 
-def _accept(sock, rank, size, token, what, deadline, have: set[int]) -> int | None:
+def _accept(sock, rank, size, token, what, deadline) -> int | None:
     """Authenticate one incoming connection and read its rank; None when refused."""
     try:
-        sock.settimeout(max(1.0, min(10.0, deadline - time.monotonic())))
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not server_handshake(sock, token, f"rank {rank}'s {what}"):
-            sock.close()
             return None
         client_handshake(sock, token, f"a peer of rank {rank}")
         (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, f"{what} during set-up"))
     except (OSError, ConnectionError, AuthenticationError, PluribusError, struct.error):
-        sock.close()
         return None
-    if not rank < peer < size or peer in have:
-        sock.close()
+    if not rank < peer < size:
         return None
     return peer

@@ -55,7 +55,7 @@ class _FakeEngine:
     def _ring_doorbell(self, link):
         pass
 
-    def wait(self, op: Op, timeout: float):
+    def wait(self, op: Op, timeout: float, position: tuple | None = None):
         deadline = time.monotonic() + timeout
         while True:
             with self.mutex:

@@ -22,15 +22,12 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms
-from ..backend import SubgroupView
+from ..backend import DEBUG_TAG_SHIFT, SubgroupView
 from ..errors import CollectiveMismatchError
 from ..hookspecs import hookimpl
 from .common import CollectiveCall, CollectiveWrapper, set_registered
 
 DEBUG_ENV = "PLURIBUS_DEBUG"
-#: Added to every tag of the exchange: above the users' tags and the core's collective tag,
-#: below the sub-group shifts (k << 40), so fingerprints never match another message.
-FINGERPRINT_TAG_SHIFT = 1 << 26
 #: Operations whose arrays must have the same shape on every rank.
 SAME_SHAPE = ("all_reduce", "broadcast", "reduce")
 
@@ -140,7 +137,7 @@ def find_mismatch(fps: list[dict[str, Any]], ranks: list[int], group_name: str) 
 
 def _exchange_over_backend(backend, group, payload: bytes) -> list[bytes]:
     view = SubgroupView(
-        backend, list(range(group.size)), group.rank, FINGERPRINT_TAG_SHIFT, backend.timeout
+        backend, list(range(group.size)), group.rank, DEBUG_TAG_SHIFT, backend.timeout
     )
     lengths = np.zeros(group.size, dtype=np.int64)
     algorithms.all_gather(

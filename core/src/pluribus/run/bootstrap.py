@@ -161,7 +161,11 @@ def main() -> None:
         sys.path.pop(0)
     try:
         run(sys.argv[1:])
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            # an exit code is a failure too: record when it happened, so that the summary
+            # orders it before the errors it caused on the other ranks
+            write_error_file(exc, user_frames(exc.__traceback__))
         raise
     except BaseException as exc:
         tb = user_frames(exc.__traceback__)

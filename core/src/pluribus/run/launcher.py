@@ -196,6 +196,34 @@ class RankProcess:
         return self.outcome.rank
 
 
+JOB_DIR_PREFIX = "pluribus-run-"
+#: The pid of the launcher that owns a temporary job folder.
+OWNER_FILE = "launcher.pid"
+
+
+def remove_abandoned_job_dirs() -> None:
+    """Remove the temporary folders of launchers that died without cleaning up (SIGKILL leaves
+    no chance to): each holds its launcher's pid, and a folder whose launcher is gone is
+    abandoned."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{JOB_DIR_PREFIX}*"):
+        try:
+            pid = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 class Launcher:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -203,9 +231,12 @@ class Launcher:
         self.world_size = args.nnodes * self.nproc
         self.host = socket.gethostname()
         self.keep_dir = args.log_dir is not None
-        self.job_dir = (
-            Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pluribus-run-"))
-        )
+        if args.log_dir:
+            self.job_dir = Path(args.log_dir)
+        else:
+            remove_abandoned_job_dirs()
+            self.job_dir = Path(tempfile.mkdtemp(prefix=JOB_DIR_PREFIX))
+            (self.job_dir / OWNER_FILE).write_text(str(os.getpid()))
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.pump = OutputPump(
             args.log_dir, quiet_ranks=args.quiet_ranks, prefix=not args.no_prefix

@@ -2,8 +2,8 @@
 
 A :class:`RankOutcome` is plain data (it travels between the launchers of a multi-node job as
 JSON). The root cause is the rank that failed earliest on its own: a rank's failure time is when
-it recorded its uncaught exception (its error file) or, without one, when it exited; ranks the
-launcher stopped are victims, not causes.
+it recorded its uncaught exception or its non-zero ``sys.exit`` (its error file) or, without
+one, when the launcher saw it exit; ranks the launcher stopped are victims, not causes.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class RankOutcome:
                 f"raised {self.error.get('exc_type')} (then was stopped by the launcher while "
                 "exiting)"
             )
-        if self.error:
+        if self.error and self.error.get("exc_type") != "SystemExit":
             return f"raised {self.error.get('exc_type')} (exit code {self.exit_code})"
         return self.how_exited()
 

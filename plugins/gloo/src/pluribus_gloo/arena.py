@@ -131,7 +131,7 @@ class Arena:
         for peer in op.members:
             op.waiting_on[peer] = 1
         op.poll = self._poll
-        engine.wait(op, self.timeout)
+        engine.wait(op, self.timeout, (self.group_name, self.call_seq, self.world_ranks))
         if self.unchecked:
             self._check_after_arrival()
 
@@ -206,7 +206,7 @@ class Arena:
 
     def _describe(self) -> str:
         what = _describe_code(self.call_code, self.call_count)
-        return f"{what} on group {self.group_name!r}"
+        return f"{what} (#{self.call_seq}) on group {self.group_name!r}"
 
     def set_sleeping(self, flag: int) -> None:
         self.control[self.mine + SLEEPING] = flag

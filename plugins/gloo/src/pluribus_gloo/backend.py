@@ -63,6 +63,7 @@ class _Call:
         op: ReduceOp | None,
         count: int,
         check_count: bool = True,
+        root: int = -1,
     ):
         self.b = backend
         self.engine = backend.engine
@@ -72,6 +73,7 @@ class _Call:
         self.opcode = wire.op_code(op)
         self.count = count
         self.check_count = check_count
+        self.root = root
         self.seq = backend.next_seq()
         self.op = Op(self.describe, backend.peer_set, True)
         self.ufunc = _reduce_ufunc(op, self.np_dtype) if op is not None else None
@@ -79,8 +81,8 @@ class _Call:
             backend.arena.begin(self.seq, kind, self.dtype, self.opcode, count)
 
     def describe(self) -> str:
-        what = wire.describe(self.kind, self.dtype, self.opcode, self.count)
-        return f"{what} on group {self.b.group_name!r}"
+        what = wire.describe(self.kind, self.dtype, self.opcode, self.count, root=self.root)
+        return f"{what} (#{self.seq}) on group {self.b.group_name!r}"
 
     def send(self, peer: int, data: np.ndarray, part: int) -> None:
         payload = byte_view(data)
@@ -94,6 +96,7 @@ class _Call:
             self.count,
             part,
             payload.size,
+            root=self.root,
         )
         return self.engine.post_send(self.op, self.b.ranks[peer], header, payload)
 
@@ -117,6 +120,7 @@ class _Call:
             req = RecvReq(self.op, (self.b.channel, wire.COLLECTIVE_TAG), byte_view(dest))
         req.kind, req.dtype, req.opcode, req.seq = self.kind, self.dtype, self.opcode, self.seq
         req.count, req.check_count, req.part = self.count, self.check_count, part
+        req.root = self.root
         req.nbytes = dest.nbytes
         req.on_done = on_done
         self.engine.post_recv(self.op, self.b.ranks[peer], req)
@@ -127,8 +131,9 @@ class _Call:
         with engine.mutex:
             if engine.failed is not None:
                 raise _same_error(engine.failed)
+            engine.begin(self.b.channel, self.seq, self.kind, self.root, self.describe)
             post()
-        engine.wait(self.op, self.b.timeout)
+        engine.wait(self.op, self.b.timeout, (self.b.group_name, self.seq, self.b.ranks))
 
 
 class GlooBackend(Backend):
@@ -344,7 +349,7 @@ class GlooBackend(Backend):
             local.broadcast(self.arena, flat(array), src)
             return
         data = byte_view(array)
-        call = _Call(self, wire.BROADCAST, array, None, array.size)
+        call = _Call(self, wire.BROADCAST, array, None, array.size, root=src)
         v = (r - src) % p
 
         def real(virtual: int) -> int:
@@ -388,7 +393,7 @@ class GlooBackend(Backend):
             finish_average(array, op, 1)
             return
         data = flat(array)
-        call = _Call(self, wire.REDUCE, data, op, data.size)
+        call = _Call(self, wire.REDUCE, data, op, data.size, root=dst)
         v = (r - dst) % p
         limit = _lowbit(v) if v else 1 << p.bit_length()
         children = [(v + m + dst) % p for m in _powers(limit) if v + m < p]
@@ -523,7 +528,7 @@ class GlooBackend(Backend):
     def gather(self, array: Any, outputs: list | None, dst: int) -> None:
         p, r = self.size, self.rank
         src = flat(array)
-        call = _Call(self, wire.GATHER, src, None, src.size)
+        call = _Call(self, wire.GATHER, src, None, src.size, root=dst)
         if r != dst:
             call.run(lambda: call.send(dst, src, 0))
             return
@@ -541,7 +546,7 @@ class GlooBackend(Backend):
     def scatter(self, array: Any, inputs: list | None, src: int) -> None:
         p, r = self.size, self.rank
         dest = flat(array)
-        call = _Call(self, wire.SCATTER, dest, None, dest.size)
+        call = _Call(self, wire.SCATTER, dest, None, dest.size, root=src)
         if r != src:
             call.run(lambda: call.recv(src, dest, 0))
             return

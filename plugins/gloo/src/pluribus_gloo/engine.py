@@ -30,6 +30,7 @@ import threading
 import time
 
 import numpy as np
+from pluribus import arrival
 from pluribus.errors import CollectiveMismatchError, DistTimeoutError, PeerError, PluribusError
 
 from . import wire
@@ -117,6 +118,7 @@ class RecvReq:
         "header",
         "forward",
         "started",
+        "root",
     )
 
     def __init__(self, op: Op | None, key: tuple[int, int], dest: np.ndarray):
@@ -137,6 +139,7 @@ class RecvReq:
         self.forward: RecvReq | None = None
         self.started = False
         self.check_count = True
+        self.root = -1
         self.kind = self.dtype = self.opcode = self.seq = self.count = self.part = 0
         self.nbytes = 0
 
@@ -217,6 +220,9 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._last_ctl_check = 0.0
+        # per group channel: the collective this rank runs or ran last (seq, kind, root, what)
+        self.current: dict[int, tuple] = {}
+        self.store_down = False  # a store call failed or hung: rank 0 (its server) is gone
 
     # -- posting ----------------------------------------------------------------------------------
     def post_send(self, op: Op, peer: int, header: bytes, payload: np.ndarray) -> SendReq:
@@ -262,6 +268,36 @@ class Engine:
         return False
 
     # -- matching ---------------------------------------------------------------------------------
+    def begin(self, channel: int, seq: int, kind: int, root: int, what) -> None:
+        """Note the collective this rank starts on a group; messages peers sent for another
+        collective at this step, already waiting here, are a mismatch at once."""
+        self.current[channel] = (seq, kind, root, what)
+        key = (channel, wire.COLLECTIVE_TAG)
+        for link in self.link_list:
+            for stash in link.unexpected.get(key, ()):
+                if self._stray(link, stash.header):
+                    return
+
+    def _stray(self, link: Link, h: wire.Header) -> bool:
+        """Fail the engine when ``h`` belongs to no receive this rank will ever post: a message
+        for a collective this rank has finished, or a different collective (or root) at the
+        step this rank is at. Gloo's collectives post all their receives up front, so such a
+        message can only come from a peer that called something else."""
+        mine = self.current.get(h.channel)
+        if mine is None or h.tag != wire.COLLECTIVE_TAG:
+            return False
+        seq, kind, root, what = mine
+        if h.seq > seq or (h.seq == seq and h.kind == kind and h.root == root):
+            return False
+        theirs = wire.describe(h.kind, h.dtype, h.op, h.count, root=h.root)
+        error = CollectiveMismatchError(
+            f"rank {self.rank}: collective mismatch: rank {link.peer} called {theirs} as its "
+            f"collective #{h.seq} while rank {self.rank} called {what()}; every rank of a group "
+            "must call the same collectives in the same order, with the same root"
+        )
+        self._fail(error, "mismatch", -1)
+        return True
+
     def _on_header(self, link: Link, h: wire.Header) -> RecvReq | None:
         """The target of an arriving message: a posted receive, a new stash, or None (discard)."""
         key = (h.channel, h.tag)
@@ -272,6 +308,8 @@ class Engine:
                 return None
             req.started = True
             return req
+        if self._stray(link, h):
+            return None
         stash = RecvReq(None, key, np.empty(h.nbytes, dtype=np.uint8))
         stash.stash = True
         stash.header = h
@@ -297,12 +335,18 @@ class Engine:
             req.started = True
             self._finish(req)
             return False
-        same_call = (h.kind, h.dtype, h.op, h.seq) == (req.kind, req.dtype, req.opcode, req.seq)
+        same_call = (h.kind, h.dtype, h.op, h.seq, h.root) == (
+            req.kind,
+            req.dtype,
+            req.opcode,
+            req.seq,
+            req.root,
+        )
         same_count = h.count == req.count or not req.check_count
         if same_call and same_count and h.part == req.part and h.nbytes == req.nbytes:
             return True
-        theirs = wire.describe(h.kind, h.dtype, h.op, h.count)
-        mine = wire.describe(req.kind, req.dtype, req.opcode, req.count)
+        theirs = wire.describe(h.kind, h.dtype, h.op, h.count, root=h.root)
+        mine = wire.describe(req.kind, req.dtype, req.opcode, req.count, root=req.root)
         if same_call and same_count:
             detail = (
                 f"rank {peer} sent a block of {h.nbytes} bytes where rank {self.rank} expected "
@@ -595,40 +639,56 @@ class Engine:
         how = f" ({exc})" if exc is not None else ""
         link.eof_detail = (
             f"closed its connection{how}: the process died, was killed or exited without "
-            "destroy_process_group"
+            "destroy_process_group. Restart the job (pluribus-run restarts it when given "
+            "--max-restarts)"
         )
         if not self.closed and self.failed is None:
             link.forwarded = self._forwarded_error(link.peer)
 
+    def ask_store(self, question):
+        """``question(store)`` within a bound (see :mod:`pluribus.arrival`); None when the store
+        does not answer, after which the engine stops asking (rank 0, its server, is gone)."""
+        if self.store_down:
+            return None
+        try:
+            return arrival.ask_store(self.store, question)
+        except Exception:
+            self.store_down = True
+            return None
+
     def _forwarded_error(self, peer: int) -> BaseException | None:
         """The error a peer left in the store before it gave up on the group, if any."""
-        found: list[bytes] = []
-
-        def look() -> None:
-            try:
-                key = f"abort/{peer}"
-                if self.store.check([key]):
-                    found.append(self.store.get(key, 1.0))
-            except Exception:
-                pass
-
-        helper = threading.Thread(target=look, name="pluribus-gloo-abort-lookup", daemon=True)
-        helper.start()
-        helper.join(2.0)
+        key = f"abort/{peer}"
+        found = self.ask_store(lambda store: store.get(key, 0.1) if store.check([key]) else None)
         if not found:
             return None
-        code, origin, reporter, text = found[0].decode(errors="replace").split("|", 3)
+        code, origin, reporter, text = found.decode(errors="replace").split("|", 3)
         message = (
             f"rank {self.rank}: the group was aborted after an error on rank {reporter}: {text}"
         )
         error: BaseException
         if code == "mismatch":
             error = CollectiveMismatchError(message)
+        elif code == "timeout":
+            error = DistTimeoutError(message)
         else:
             origin_rank = int(origin)
             error = PeerError(message, origin_rank if origin_rank >= 0 else peer)
         error.gloo_report = (code, origin, reporter, text)  # passed on as is, not re-wrapped
         return error
+
+    def _absent(self, position: tuple, timeout: float) -> str:
+        """After a timeout: which ranks of the group never reached this collective."""
+        group, seq, ranks = position
+        missing = None
+        if not self.store_down:
+            try:
+                me = ranks.index(self.rank)
+                found = arrival.absent_ranks(self.store, f"reached/{group}/{seq}", me, len(ranks))
+                missing = [ranks[r] for r in found]
+            except Exception:
+                self.store_down = True
+        return arrival.explain(missing, timeout)
 
     def _dead_peer(self, op: Op) -> BaseException | None:
         for peer in op.members:
@@ -656,10 +716,8 @@ class Engine:
         report = getattr(error, "gloo_report", None)
         if report is None:
             report = (code, str(origin), str(self.rank), str(error))
-        try:
-            self.store.set(f"abort/{self.rank}", "|".join(report))
-        except Exception:
-            pass
+        key, value = f"abort/{self.rank}", "|".join(report)
+        self.ask_store(lambda store: store.set(key, value))
         for link in self.link_list:
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
@@ -721,9 +779,11 @@ class Engine:
                     self._ctl_recv(link)
         self._last_ctl_check = time.monotonic()
 
-    def wait(self, op: Op, timeout: float) -> None:
+    def wait(self, op: Op, timeout: float, position: tuple | None = None) -> None:
         """Drive the engine until ``op`` is complete; raise its error, a dead peer's or a
-        timeout (after which the engine is unusable when the op was a collective)."""
+        timeout (after which the engine is unusable when the op was a collective).
+        ``position`` (group name, sequence number, the group's ranks) lets a timed-out
+        collective name the ranks that never reached it."""
         start = time.monotonic()
         deadline = start + timeout
         idle_since = start
@@ -765,9 +825,10 @@ class Engine:
                     sleep = 50e-6
                     continue
                 if now >= deadline:
+                    absent = "" if position is None else self._absent(position, timeout)
                     error = DistTimeoutError(
-                        f"rank {self.rank}: {op.what} did not finish within {timeout:.0f}s; "
-                        "a peer may be stuck or may have called a different collective"
+                        f"rank {self.rank}: {op.what} did not finish within {timeout:.0f}s"
+                        f"{absent or '; a peer may be stuck or may have called something else'}"
                     )
                     if op.collective:
                         with self.mutex:

@@ -13,8 +13,9 @@ import numpy as np
 
 MAGIC = 0x504C  # "PL"
 # magic, message type, collective kind, dtype code, reduce-op code, pad,
-# channel (which group), tag, collective sequence number, element count, part, payload bytes
-HEADER = struct.Struct("<HBBBBHQqQQQQ")
+# channel (which group), tag, collective sequence number, element count, part, payload bytes,
+# root (the group rank a broadcast, reduce, gather or scatter is rooted at; -1 for none)
+HEADER = struct.Struct("<HBBBBHQqQQQQq")
 HEADER_SIZE = 64
 assert HEADER.size <= HEADER_SIZE
 
@@ -112,15 +113,30 @@ def pack(
     part: int,
     nbytes: int,
     mtype: int = DATA,
+    root: int = -1,
 ) -> bytes:
-    raw = HEADER.pack(MAGIC, mtype, kind, dtype, op, 0, channel, tag, seq, count, part, nbytes)
+    raw = HEADER.pack(
+        MAGIC, mtype, kind, dtype, op, 0, channel, tag, seq, count, part, nbytes, root
+    )
     return raw + bytes(HEADER_SIZE - HEADER.size)
 
 
 class Header:
     """A decoded header."""
 
-    __slots__ = ("mtype", "kind", "dtype", "op", "channel", "tag", "seq", "count", "part", "nbytes")
+    __slots__ = (
+        "mtype",
+        "kind",
+        "dtype",
+        "op",
+        "channel",
+        "tag",
+        "seq",
+        "count",
+        "part",
+        "nbytes",
+        "root",
+    )
 
     def __init__(self, raw) -> None:
         (
@@ -136,16 +152,21 @@ class Header:
             (self.count),
             self.part,
             self.nbytes,
+            self.root,
         ) = HEADER.unpack_from(raw)
         if magic != MAGIC:
             raise ValueError(f"bad magic 0x{magic:04x}")
 
 
-def describe(kind: int, dtype: int, op: int, count: int, tag: int = COLLECTIVE_TAG) -> str:
+def describe(
+    kind: int, dtype: int, op: int, count: int, tag: int = COLLECTIVE_TAG, root: int = -1
+) -> str:
     """``all_reduce(float32, 1000 elements, op=SUM)``: what a rank called, for error messages."""
     parts = [dtype_name(dtype), f"{count} elements"]
     if op:
         parts.append(f"op={op_name(op)}")
+    if root >= 0:
+        parts.append(f"root={root}")
     if kind == SEND:
         parts.append(f"tag={tag}")
     return f"{KIND_NAMES.get(kind, f'kind#{kind}')}({', '.join(parts)})"

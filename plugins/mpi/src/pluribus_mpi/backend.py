@@ -43,6 +43,7 @@ from .failure import (
     abort_on_error_default,
     install_excepthook,
     raise_if_any,
+    unlink_shared_memory_names,
     watch_blocking_calls,
 )
 from .probe import cuda_support
@@ -505,6 +506,7 @@ def create_world(
     else:
         problem = env_disagreement(mpi_rank, mpi_size)
     raise_if_any(world, problem, "start the mpi backend")
+    unlink_shared_memory_names()  # every rank has started: nothing is left after a crash
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         warnings.warn(
             f"rank {mpi_rank}: MPI was initialised without MPI_THREAD_MULTIPLE (thread level "

@@ -119,3 +119,27 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
     if aborting:
         time.sleep(0.2)  # let mpiexec's output forwarding drain before every rank is killed
         world.Abort(1)
+
+
+def unlink_shared_memory_names() -> list[str]:
+    """Remove the names of the /dev/shm segments MPI mapped into this process at start-up.
+
+    MPICH unlinks its shared-memory segment only when the job ends cleanly, so every abnormal
+    end (a killed rank, MPI_Abort) left one behind. Once every rank of the job has started (the
+    caller has completed a collective on the world), every rank on this host has the segment
+    mapped: the name is no longer needed, and the memory goes away with the last process that
+    maps it. Only segments mapped by this process are touched, never another job's.
+    """
+    removed = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if " /dev/shm/mpich" in line}
+    except OSError:
+        return removed
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass  # another rank of this host was first
+    return removed

@@ -11,18 +11,21 @@ reduced, while segment ``j + 1`` is still on the wire. cupy arrays are handed to
 from __future__ import annotations
 
 import functools
+import struct
 import threading
 from typing import Any
 
 from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view, device_of, empty_like, finish_average, flat, reduce_into
+from pluribus.arrival import absent_ranks, explain
 from pluribus.backend import COLLECTIVE_TAG, Backend
-from pluribus.errors import CollectiveMismatchError
+from pluribus.errors import CollectiveMismatchError, DistTimeoutError, PluribusError
 from pluribus.types import BackendContext, ReduceOp
 
-from .transport import SUBGROUP_SHIFT, Transport
+from .transport import MAX_TAG, SUBGROUP_SHIFT, Transport
 
-#: Tags of this backend's own collectives: above the core's collective tag, below 2**25.
+#: Tags of this backend's own collectives: above the core's collective tag, below 2**25 (the
+#: core's tag budget).
 NATIVE_TAG = COLLECTIVE_TAG + 1
 MAX_NATIVE_TAGS = (1 << 24) - 1
 
@@ -36,23 +39,60 @@ DEFAULT_CUDA_SEGMENT_BYTES = 16 << 20
 DEFAULT_SMALL_BYTES = 64 << 10
 
 
-def _keeps_buffers_on_failure(method):
+def _keeps_buffers_on_failure(method, collective: bool = False):
     """On an error, hand every request the call posted to the transport, still in flight or not,
-    so that their buffers outlive anything UCX may still write into them."""
+    so that their buffers outlive anything UCX may still write into them.
+
+    A collective that fails on this rank after it posted anything has left its peers out of
+    step (they may have received half of it, and its messages would match their next call):
+    the transport is aborted, which tells every peer, and every later call fails."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         posted = self._posted.__dict__.setdefault("ops", [])
         mark = len(posted)
+        if collective:
+            self.seq += 1
         try:
             return method(self, *args, **kwargs)
-        except BaseException:
+        except DistTimeoutError as exc:
             self.t.bury(posted[mark:])
+            if not collective or self.t.aborted is not None:
+                raise
+            error = exc
+            if not self.t.timed_out_peers:  # this rank timed out first: say who did not arrive
+                try:
+                    found = absent_ranks(self.store, f"reached/{self.seq}", self.rank, self.size)
+                    missing = [self.members[r] for r in found]
+                except Exception:
+                    missing = None
+                where = f"{method.__name__} #{self.seq} of this group"
+                error = DistTimeoutError(f"{exc} ({where}){explain(missing, self.timeout)}")
+            self.t.abort(str(error), timed_out=True)  # the peers report it as a timeout too
+            if error is exc:
+                raise
+            raise error from None
+        except BaseException as exc:
+            sent = posted[mark:]
+            self.t.bury(sent)
+            # only a rank-local error (or a mismatch) aborts: a transport failure is a peer's,
+            # which every rank learns through the lifelines; aborting here would name this rank
+            # instead of the one that failed
+            local = isinstance(exc, CollectiveMismatchError) or not isinstance(exc, PluribusError)
+            if collective and sent and local:
+                self.t.abort(
+                    f"rank {self.t.rank}: {method.__name__} failed after it had started "
+                    f"exchanging messages ({type(exc).__name__}: {exc})"
+                )
             raise
         finally:
             del posted[mark:]
 
     return run
+
+
+def _collective(method):
+    return _keeps_buffers_on_failure(method, collective=True)
 
 
 class UccBackend(Backend):
@@ -61,6 +101,7 @@ class UccBackend(Backend):
     name = "ucc"
     detects_failures = True  # its own dead-peer detection and timeouts
     devices = ("cpu", "cuda")
+    max_tag = MAX_TAG
 
     def __init__(
         self,
@@ -70,9 +111,12 @@ class UccBackend(Backend):
         timeout: float,
         tag_space: int,
         options: dict[str, Any],
+        store,
     ):
         super().__init__(rank, len(members), timeout)
         self.t = transport
+        self.store = store  # the group's: says who reached a collective that timed out
+        self.seq = 0
         self.members = list(members)
         self.tag_base = tag_space << SUBGROUP_SHIFT
         self.options = options
@@ -81,6 +125,8 @@ class UccBackend(Backend):
             options.get("ucc_cuda_segment_bytes", DEFAULT_CUDA_SEGMENT_BYTES)
         )
         self.small_bytes = int(options.get("ucc_small_bytes", DEFAULT_SMALL_BYTES))
+        # off by default: it costs more than 5 % at 4 KiB (BENCHMARKS.md); DETAIL checks all
+        self.check_calls = _flag(options.get("ucc_check_calls", False))
         self.owns_transport = tag_space == 0
         self._posted = threading.local()
         self._buffers: dict[tuple[int, str], Any] = {}
@@ -162,7 +208,7 @@ class UccBackend(Backend):
         self._wait(ops, f"sendrecv with ranks {dst}/{src}", (dst, src))
 
     # -- collectives -------------------------------------------------------------------------------
-    @_keeps_buffers_on_failure
+    @_collective
     def all_reduce(self, array: Any, op: ReduceOp) -> None:
         p = self.size
         if p > 1:
@@ -175,6 +221,9 @@ class UccBackend(Backend):
         finish_average(array, op, p)
 
     def _all_reduce_doubling(self, data: Any, op: ReduceOp) -> None:
+        if self.check_calls and device_of(data) == "cpu":
+            self._all_reduce_doubling_checked(data, op)
+            return
         incoming = self._scratch(0, data, data.size)
         mask, level = 1, 0
         while mask < self.size:
@@ -187,6 +236,41 @@ class UccBackend(Backend):
             reduce_into(data, incoming, op)  # a op b == b op a: every rank gets the same bits
             self._ready(data)
             mask, level = mask << 1, level + 1
+
+    def _all_reduce_doubling_checked(self, data: Any, op: ReduceOp) -> None:
+        """Recursive doubling whose every message ends with the call's signature (see
+        :func:`_signature`): a peer that called another collective, dtype or op is a
+        CollectiveMismatchError on this rank (and, through the abort, on every rank)."""
+        import numpy as np
+
+        n = data.nbytes
+        signature = _signature("all_reduce", data.dtype, op, -1)
+        outgoing = self._scratch(2, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
+        incoming = self._scratch(0, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
+        outgoing[n:] = signature
+        mine = byte_view(data)
+        mask, level = 1, 0
+        while mask < self.size:
+            partner = self.rank ^ mask
+            outgoing[:n] = mine
+            ops = [
+                self._recv(incoming, partner, NATIVE_TAG + level),
+                self._send(outgoing, partner, NATIVE_TAG + level),
+            ]
+            what = f"all_reduce (exchange with rank {partner})"
+            self._wait(ops, what)
+            self._check_signature(incoming[n:], signature, partner, what)
+            reduce_into(data, incoming[:n].view(data.dtype), op)
+            mask, level = mask << 1, level + 1
+
+    def _check_signature(self, theirs: Any, signature: Any, peer: int, what: str) -> None:
+        if theirs.tobytes() != signature.tobytes():
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: collective mismatch in {what}: group rank {peer} called "
+                f"{_describe(theirs)} where this rank called {_describe(signature)}; every rank "
+                "of a group must call the same collectives in the same order, with the same "
+                "dtype, op and root"
+            )
 
     def _segments(self, chunk: Any) -> list[Any]:
         size = self.cuda_segment_bytes if device_of(chunk) == "cuda" else self.segment_bytes
@@ -232,7 +316,7 @@ class UccBackend(Backend):
             recvs = following
         self._wait(sends, what)
 
-    @_keeps_buffers_on_failure
+    @_collective
     def broadcast(self, array: Any, src: int) -> None:
         p = self.size
         if p == 1:
@@ -240,6 +324,9 @@ class UccBackend(Backend):
         v = (self.rank - src) % p  # position in a binary tree rooted at src
         parent = None if v == 0 else ((v - 1) // 2 + src) % p
         children = [(c + src) % p for c in (2 * v + 1, 2 * v + 2) if c < p]
+        if self.check_calls and device_of(array) == "cpu" and array.nbytes <= self.small_bytes:
+            self._broadcast_checked(array, src, parent, children)
+            return
         segs = self._segments(byte_view(array)) or [byte_view(array)]
         what = f"broadcast from rank {src}"
         sends = []
@@ -254,7 +341,27 @@ class UccBackend(Backend):
                 sends += [self._send(segs[j], child, NATIVE_TAG + j) for child in children]
         self._wait(sends, what)
 
-    @_keeps_buffers_on_failure
+    def _broadcast_checked(self, array: Any, src: int, parent, children) -> None:
+        """A small broadcast down the tree in one message that ends with the call's signature
+        (the root included): a rank whose parent broadcasts from another root, or runs another
+        collective, raises CollectiveMismatchError."""
+        import numpy as np
+
+        data = byte_view(array)
+        n = data.nbytes
+        signature = _signature("broadcast", array.dtype, None, src)
+        message = self._scratch(2, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
+        what = f"broadcast from rank {src}"
+        if parent is None:
+            message[:n] = data
+            message[n:] = signature
+        else:
+            self._wait([self._recv(message, parent, NATIVE_TAG)], what)
+            self._check_signature(message[n:], signature, parent, what)
+            data[...] = message[:n]
+        self._wait([self._send(message, child, NATIVE_TAG) for child in children], what)
+
+    @_collective
     def all_gather(self, outputs: list, array: Any) -> None:
         p, r = self.size, self.rank
         byte_view(outputs[r])[...] = byte_view(array)
@@ -272,7 +379,7 @@ class UccBackend(Backend):
                 sends.append(self._send(outputs[(r - s - 1) % p], right, NATIVE_TAG + s + 1))
         self._wait(sends, "all_gather")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def reduce_scatter(self, output: Any, inputs: list, op: ReduceOp) -> None:
         p, r = self.size, self.rank
         if p == 1:
@@ -300,7 +407,7 @@ class UccBackend(Backend):
         del partial
         finish_average(output, op, p)
 
-    @_keeps_buffers_on_failure
+    @_collective
     def all_to_all(self, outputs: list, inputs: list) -> None:
         p, r = self.size, self.rank
         byte_view(outputs[r])[...] = byte_view(inputs[r])
@@ -311,7 +418,7 @@ class UccBackend(Backend):
         ops += [self._send(inputs[dst], dst, NATIVE_TAG) for dst in order]
         self._wait(ops, "all_to_all")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def gather(self, array: Any, outputs: list | None, dst: int) -> None:
         if self.rank != dst:
             self._ready(array)
@@ -323,7 +430,7 @@ class UccBackend(Backend):
         ops = [self._recv(outputs[s], s, NATIVE_TAG) for s in range(self.size) if s != dst]
         self._wait(ops, "gather")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def scatter(self, array: Any, inputs: list | None, src: int) -> None:
         if self.rank != src:
             self._ready(array)
@@ -336,7 +443,7 @@ class UccBackend(Backend):
         ops = [self._send(inputs[d], d, NATIVE_TAG) for d in range(self.size) if d != src]
         self._wait(ops, "scatter")
 
-    @_keeps_buffers_on_failure
+    @_collective
     def barrier(self) -> None:
         import numpy as np
 
@@ -360,7 +467,7 @@ class UccBackend(Backend):
         else:
             space = int(ctx.store.get("ucc/tag-space", ctx.timeout))
         members = [self.members[r] for r in ranks]
-        return UccBackend(self.t, members, ctx.rank, ctx.timeout, space, self.options)
+        return UccBackend(self.t, members, ctx.rank, ctx.timeout, space, self.options, ctx.store)
 
     def abort(self, reason: str) -> None:
         self.t.abort(reason)
@@ -370,6 +477,48 @@ class UccBackend(Backend):
             self.t.close()
 
 
+#: Bytes of the signature a checked call appends to its messages.
+SIGNATURE_BYTES = 8
+_KINDS = ("all_reduce", "broadcast")
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(kind: str, dtype: Any, op: ReduceOp | None, root: int):
+    """What a checked call appends to its messages: collective, dtype, op and root."""
+    import numpy as np
+
+    name = op.name if op is not None else ""
+    raw = struct.pack(
+        "<BBbxi", _KINDS.index(kind), _DTYPES.index(str(dtype)), _OPS.index(name), root
+    )
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _describe(signature: Any) -> str:
+    kind, dtype, op, root = struct.unpack("<BBbxi", signature.tobytes())
+    if kind >= len(_KINDS) or dtype >= len(_DTYPES) or op >= len(_OPS):
+        return "something else"
+    parts = [_DTYPES[dtype]]
+    if _OPS[op]:
+        parts.append(f"op={_OPS[op]}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    return f"{_KINDS[kind]}({', '.join(parts)})"
+
+
+_DTYPES = tuple(
+    "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 "
+    "bfloat16".split()
+)
+_OPS = ("", *(op.name for op in ReduceOp))
+
+
+def _flag(value: Any) -> bool:
+    return value not in (False, 0, "0", "false", "False", "no")
+
+
 def create(ctx: BackendContext) -> UccBackend:
     transport = Transport(ctx.rank, ctx.size, ctx.store, ctx.timeout, dict(ctx.options))
-    return UccBackend(transport, list(range(ctx.size)), ctx.rank, ctx.timeout, 0, dict(ctx.options))
+    return UccBackend(
+        transport, list(range(ctx.size)), ctx.rank, ctx.timeout, 0, dict(ctx.options), ctx.store
+    )

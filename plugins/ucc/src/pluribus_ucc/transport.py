@@ -20,6 +20,7 @@ says so, so neither reads as a crash.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import select
 import socket
@@ -28,22 +29,26 @@ import time
 from typing import Any
 
 from pluribus.arrays import byte_view
+from pluribus.backend import SUBGROUP_TAG_SHIFT
 from pluribus.errors import DistTimeoutError, PeerError, PluribusError
-from pluribus.lifeline import tell
+from pluribus.lifeline import MAX_LINE, tell
 from pluribus.store import AUTH_TOKEN_ENV
-from pluribus.tcp_mesh import connect_mesh
+from pluribus.tcp_mesh import connect_mesh, listen_address
 
 from .probe import load_ucxx, transports
 
-# A UCX tag is 64 bits: [source rank: 20][sub-group tag space: 19][tag within the space: 25].
-# pluribus tags are a user tag (< 2**24), the core's collective tag (2**24) or this backend's
-# native-collective tags (2**24 + 1 + i), plus ``k << 40`` for sub-group ``k``. Putting the source
-# in the tag lets one worker-wide receive match exactly one peer's messages.
-SRC_BITS, SPACE_BITS, LOW_BITS = 20, 19, 25
-SUBGROUP_SHIFT = 40
+# A UCX tag is 64 bits: [source rank: 19][sub-group tag space: 19][tag within the space: 26].
+# pluribus tags follow the core's tag budget (pluribus.backend: every tag of a group below
+# 2**26, ``k << 40`` for sub-group ``k``). Putting the source in the tag lets one worker-wide
+# receive match exactly one peer's messages.
+SRC_BITS, SPACE_BITS, LOW_BITS = 19, 19, 26
+SUBGROUP_SHIFT = SUBGROUP_TAG_SHIFT
+#: The largest pluribus tag this layout carries (declared to the core as ``max_tag``).
+MAX_TAG = (((1 << SPACE_BITS) - 1) << SUBGROUP_SHIFT) | ((1 << LOW_BITS) - 1)
 _LOW_MASK = (1 << SUBGROUP_SHIFT) - 1
 
-_BYE, _ABORT = b"B", b"A"
+#: Lifeline lines: goodbye, abort (with the reason), timed out (with the timeout's message).
+_BYE, _ABORT, _TIMED_OUT = b"B", b"A", b"T"
 #: A peer that closed cleanly may still have messages in flight; fail waits on it after this long.
 CLOSE_GRACE = 1.0
 
@@ -92,7 +97,11 @@ class Transport:
         self.cuda_spin = float(options.get("ucc_cuda_spin_us", 20000.0)) * 1e-6
         self.spin_yield = bool(options.get("ucc_spin_yield", True))
         error_handling = bool(options.get("ucc_error_handling", False))
-        host = options.get("ucc_host") or os.environ.get("PLURIBUS_UCC_HOST", "127.0.0.1")
+        host = (
+            options.get("ucc_host")
+            or os.environ.get("PLURIBUS_UCC_HOST")
+            or listen_address(options)
+        )
         token = options.get("auth_token") or os.environ.get(AUTH_TOKEN_ENV)
 
         self.ucx = ucx = load_ucxx()
@@ -101,7 +110,7 @@ class Transport:
         self._array = Array
         self._tag = ucx.UCXXTag
         _prepare_cuda(options.get("ucc_cuda", "auto"))
-        config = {str(k): str(v) for k, v in dict(options.get("ucc_config", {})).items()}
+        config = _ucx_config(options, error_handling, host)
         self.context = ucx.UCXContext(config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self.worker = ucx.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
@@ -116,6 +125,7 @@ class Transport:
         self.aborted: str | None = None
         self.dead: dict[int, str] = {}
         self.aborted_peers: dict[int, str] = {}
+        self.timed_out_peers: set[int] = set()  # aborted because a collective timed out
         self._inbox: dict[int, bytearray] = {}
         self.said_bye: dict[int, float] = {}
         self.graveyard: list[Op] = []
@@ -315,11 +325,15 @@ class Transport:
         while b"\n" in inbox:
             line, _, rest = bytes(inbox).partition(b"\n")
             inbox[:] = rest
-            if line.startswith(_ABORT):
+            if line.startswith((_ABORT, _TIMED_OUT)):
                 said = line[1:].decode(errors="replace") or "no reason given"
                 self.aborted_peers.setdefault(peer, said)
+                if line.startswith(_TIMED_OUT):
+                    self.timed_out_peers.add(peer)
             elif line.startswith(_BYE):
                 self.said_bye.setdefault(peer, time.monotonic())
+        if len(inbox) > MAX_LINE:
+            data, reason = b"", "its lifeline carried a malformed message"
         if data:
             return
         if peer not in self.said_bye and peer not in self.aborted_peers:
@@ -327,7 +341,12 @@ class Transport:
         self.poller.unregister(sock.fileno())
         self._fd_peer.pop(sock.fileno(), None)
 
-    def _peer_error(self, peer: int, what: str) -> PeerError:
+    def _peer_error(self, peer: int, what: str) -> PeerError | DistTimeoutError:
+        if peer in self.timed_out_peers and peer not in self.dead:
+            return DistTimeoutError(
+                f"rank {self.rank}: {what} failed because the group timed out on rank {peer}: "
+                f"{self.aborted_peers[peer]}"
+            )
         if peer in self.dead:
             why = f"rank {peer} is gone: {self.dead[peer]}"
         else:
@@ -371,12 +390,15 @@ class Transport:
             self._bury(list(ops))
 
     # -- failure and shutdown --------------------------------------------------------------------
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, timed_out: bool = False) -> None:
+        """Stop this rank's transport and tell every peer why (``timed_out``: a collective
+        timed out here, which the peers report as a timeout, not as this rank's failure)."""
         with self.lock:
             if self.aborted is not None or self.closed:
                 return
             self.aborted = reason
-            self._tell_peers(_ABORT + reason.replace("\n", " ").encode()[:2000] + b"\n")
+            code = _TIMED_OUT if timed_out else _ABORT
+            self._tell_peers(code + reason.replace("\n", " ").encode()[:2000] + b"\n")
             self._wake()
             self.cond.notify_all()
 
@@ -423,6 +445,30 @@ class Transport:
                     raise
         self.worker = None
         self.context = None
+
+
+def _ucx_config(options: dict, error_handling: bool, host: str) -> dict[str, str]:
+    """The UCX context's options: the user's ``ucc_config`` and UCX_* variables win; otherwise
+
+    - no CMA without UCX's error handling: CMA reads the peer's memory with process_vm_readv,
+      and UCX aborts the whole process when that peer has died, where the lifelines would have
+      turned the death into a PeerError; shared memory (posix, sysv) carries the data instead;
+    - a job whose ranks meet on loopback (one host) keeps UCX's network transports on loopback
+      too, so that no rank listens on the host's external addresses.
+    """
+    config = {str(k): str(v) for k, v in dict(options.get("ucc_config", {})).items()}
+    if not error_handling and "TLS" not in config and "UCX_TLS" not in os.environ:
+        config["TLS"] = "^cma"
+    if _is_loopback(host) and "NET_DEVICES" not in config and "UCX_NET_DEVICES" not in os.environ:
+        config["NET_DEVICES"] = "lo"
+    return config
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 _thread_devices = threading.local()

@@ -1,0 +1,37 @@
+"""Kill a rank of a 4-rank job mid all_reduce: every survivor raises a PeerError naming it within
+5 s (also when the dead rank is rank 0, which serves the store), a later collective fails as
+fast, and nothing is left behind. Each backend is killed a few times here; scripts/fault-repeat.py
+repeats it 20 times per backend."""
+
+from __future__ import annotations
+
+import pytest
+from killing import kill_a_rank
+from pluribus import is_available
+
+CASES = [
+    ("gloo", {"PLURIBUS_GLOO_SHM": "1"}, 2),
+    ("gloo", {"PLURIBUS_GLOO_SHM": "1"}, 0),
+    ("gloo", {"PLURIBUS_GLOO_SHM": "0"}, 2),
+    ("gloo", {"PLURIBUS_GLOO_SHM": "0"}, 0),
+    ("ucc", {}, 2),
+    ("ucc", {}, 0),
+    ("ucc", {}, 2),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "backend, env, victim",
+    CASES,
+    ids=[
+        f"{b}-{'shm' if e.get('PLURIBUS_GLOO_SHM') == '1' else 'tcp' if e else ''}-kill{v}-{i}"
+        for i, (b, e, v) in enumerate(CASES)
+    ],
+)
+def test_survivors_name_the_dead_rank_within_seconds(backend, env, victim):
+    if not is_available(backend):
+        pytest.skip(f"{backend} is not available here")
+    outcome = kill_a_rank(backend, victim, env=env)
+    problems = outcome.problems()
+    assert not problems, "\n".join(problems) + "\n" + getattr(outcome, "stderr", "")
