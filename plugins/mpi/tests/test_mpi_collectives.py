@@ -328,3 +328,29 @@ def test_cupy_arrays_use_host_staging_or_are_refused(world, monkeypatch):
     work = pb.broadcast(x, 0, async_op=True)
     work.wait(timeout=30)
     assert float(x[0]) == size * (size + 1) / 2
+
+
+def test_a_start_up_problem_on_one_rank_raises_on_every_rank_without_pickle(world):
+    from pluribus_mpi.failure import raise_if_any
+
+    MPI = _mpi()
+
+    class NoPickle(MPI.Intracomm):
+        def allgather(self, sendobj):  # mpi4py's lowercase collectives pickle
+            raise AssertionError("the start-up check used mpi4py's pickled allgather")
+
+    duplicate = MPI.COMM_WORLD.Dup()
+    comm = NoPickle(duplicate)
+    try:
+        raise_if_any(comm, None, "start")  # no problem anywhere: nothing raised
+        rank = comm.Get_rank()
+        problem = "rank 1: MASTER_PORT différent" if rank == 1 else None
+        with pytest.raises(PluribusError) as raised:
+            raise_if_any(comm, problem, "start the mpi backend")
+        if rank == 1:
+            assert str(raised.value) == problem
+        else:
+            assert f"rank {rank}: could not start the mpi backend" in str(raised.value)
+            assert "MASTER_PORT différent" in str(raised.value)
+    finally:
+        duplicate.Free()

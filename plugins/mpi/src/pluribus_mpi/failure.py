@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from pluribus.errors import DistTimeoutError, PluribusError
 
 from .datatypes import MPI
@@ -59,14 +60,31 @@ def watch_blocking_calls(backend: MPIBackend) -> None:
 
 
 def raise_if_any(comm: Any, problem: str | None, what: str) -> None:
-    """Raise on every rank when any rank found a ``problem`` (so that none waits for it)."""
-    problems = [p for p in comm.allgather(problem) if p]  # start-up only: pickling is fine
+    """Raise on every rank when any rank found a ``problem`` (so that none waits for it).
+
+    The texts travel as bytes in MPI buffers, not through mpi4py's pickled ``allgather``:
+    nothing here unpickles what another process sent."""
+    problems = [p for p in _allgather_text(comm, problem or "") if p]
     if problem:
         raise PluribusError(problem)
     if problems:
         raise PluribusError(
             f"rank {comm.Get_rank()}: could not {what} because another rank failed: {problems[0]}"
         )
+
+
+def _allgather_text(comm: Any, text: str) -> list[str]:
+    """Every rank's ``text``, in rank order, through MPI buffers (lengths, then the bytes)."""
+    data = np.frombuffer(text.encode(errors="replace"), dtype=np.uint8)
+    lengths = np.zeros(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([data.size], dtype=np.int64), lengths)
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
+    comm.Allgatherv(data, [gathered, lengths, offsets, MPI.BYTE])
+    return [
+        gathered[start : start + length].tobytes().decode(errors="replace")
+        for start, length in zip(offsets.tolist(), lengths.tolist(), strict=True)
+    ]
 
 
 def abort_on_error_default() -> bool:
