@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import example_scripts
 import numpy as np
 import pytest
 from pluribus.testing import require_backend, run_ranks
@@ -14,20 +15,9 @@ pytest.importorskip(
     "sklearn", reason="the example needs scikit-learn: pip install 'pluribus[examples]'"
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
-spec = importlib.util.spec_from_file_location("train_digits", EXAMPLE)
-train_digits = importlib.util.module_from_spec(spec)
-sys.modules["train_digits"] = train_digits
-spec.loader.exec_module(train_digits)
+train_digits = example_scripts.load("train_digits")
 
-
-@pytest.fixture(autouse=True)
-def one_blas_thread():
-    """Thread ranks share this process's BLAS pool; one thread keeps them from fighting."""
-    from threadpoolctl import threadpool_limits  # comes with scikit-learn
-
-    with threadpool_limits(limits=1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_blas_thread")
 
 
 def _args(tmp_path, *extra):
@@ -95,7 +85,7 @@ def test_pluribus_run_on_gloo_resumes_after_a_rank_crashes(tmp_path):
         "2",
         "--max-restarts",
         "1",
-        str(EXAMPLE),
+        str(example_scripts.EXAMPLES / "train_digits.py"),
         "--checkpoint-dir",
         str(tmp_path),
         "--epochs",

@@ -1,28 +1,15 @@
 """The GPT example: it learns on the standard library's text, and resuming equals not stopping."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
+import example_scripts
 import numpy as np
 import pytest
 from pluribus.testing import run_ranks
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
-train_gpt = importlib.util.module_from_spec(spec)
-sys.modules["train_gpt"] = train_gpt
-spec.loader.exec_module(train_gpt)
+train_gpt = example_scripts.load("train_gpt")
 
-pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(autouse=True)
-def one_blas_thread():
-    """Thread ranks share this process's BLAS pool; one thread keeps them from fighting."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    with threadpoolctl.threadpool_limits(limits=1):
-        yield
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_blas_thread")]
 
 
 def _args(folder, *extra):

@@ -9,19 +9,7 @@ from pluribus import nn
 from pluribus.parallel import pipeline as pp
 from pluribus.testing import RankPool, RanksFailed, require_backend, run_ranks
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def one_blas_thread():
-    """Thread ranks share this process's BLAS pool; one thread keeps them from fighting."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1):
-        yield
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_blas_thread")]
 
 
 @pytest.mark.parametrize("name", list(pp.SCHEDULES))

@@ -18,22 +18,23 @@ from typing import Any
 from .module import Module
 
 
-def _root(array: Any) -> Any:
+def base_buffer(array: Any) -> Any:
+    """The array that owns ``array``'s memory (views count as their base)."""
     while getattr(array, "base", None) is not None and hasattr(array.base, "nbytes"):
         array = array.base
     return array
 
 
-def _arrays(value: Any) -> Iterable[Any]:
+def arrays_in(value: Any) -> Iterable[Any]:
     """The arrays inside ``value`` (an array, or tuples, lists and dicts of them)."""
     if hasattr(value, "nbytes") and hasattr(value, "shape"):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _arrays(item)
+            yield from arrays_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _arrays(item)
+            yield from arrays_in(item)
 
 
 class _Counter:
@@ -45,7 +46,7 @@ class _Counter:
     def add(self, arrays: Iterable[Any]) -> int:
         total = 0
         for array in arrays:
-            root = _root(array)
+            root = base_buffer(array)
             if id(root) not in self.seen:
                 self.seen.add(id(root))
                 total += int(root.nbytes)
@@ -91,9 +92,9 @@ def memory_report(
     gradients += counter.add(p.grad_view for p in params if p.grad_view is not None)
     state = 0
     if optimizer is not None:
-        state = counter.add(a for entry in optimizer.state for a in _arrays(entry))
+        state = counter.add(a for entry in optimizer.state for a in arrays_in(entry))
     activations = counter.add(
-        a for m in modules for _, sub in m.named_modules() for a in _arrays(sub._saved)
+        a for m in modules for _, sub in m.named_modules() for a in arrays_in(sub._saved)
     )
     return MemoryReport(
         parameters, gradients, state, activations, peak_rss_bytes() if include_peak_rss else 0

@@ -12,22 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-
-def _root(array: Any) -> Any:
-    while getattr(array, "base", None) is not None and hasattr(array.base, "nbytes"):
-        array = array.base
-    return array
-
-
-def _arrays(value: Any) -> Iterable[Any]:
-    if hasattr(value, "nbytes") and hasattr(value, "shape"):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _arrays(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _arrays(item)
+from ...nn.memory import arrays_in, base_buffer
 
 
 @dataclass
@@ -77,7 +62,7 @@ class MemoryLedger:
             for array in arrays:
                 if array is None:
                     continue
-                root = _root(array)
+                root = base_buffer(array)
                 if id(root) not in seen:
                     seen.add(id(root))
                     total += int(root.nbytes)
@@ -88,12 +73,12 @@ class MemoryLedger:
         parameters += add(v for u in units for v in u.shard_views)
         gradients = add(u.full_grad_flat for u in units)
         gradients += add(p.param.grad for u in units for p in u.pieces)
-        gradients += add(a for u in units for a in _arrays(u._stash))
+        gradients += add(a for u in units for a in arrays_in(u._stash))
         gradients += add(u._reduction[1] for u in units if u._reduction is not None)
         buffers = add(u.compute_flat for u in units)
-        buffers += add(a for u in units if u._gather is not None for a in _arrays(u._gather[1:]))
+        buffers += add(a for u in units if u._gather is not None for a in arrays_in(u._gather[1:]))
         buffers += add(u._reduction[2] for u in units if u._reduction is not None)
-        buffers += add(_arrays(extra))
+        buffers += add(arrays_in(extra))
         return {"parameters": parameters, "gradients": gradients, "buffers": buffers}
 
     def sample(self, *extra: Any) -> None:
@@ -107,8 +92,8 @@ class MemoryLedger:
         state = 0
         if optimizer is not None:
             seen: set[int] = set()
-            for array in _arrays(list(optimizer.state)):
-                root = _root(array)
+            for array in arrays_in(list(optimizer.state)):
+                root = base_buffer(array)
                 if id(root) not in seen and getattr(root, "ndim", 0) > 0:
                     seen.add(id(root))
                     state += int(root.nbytes)

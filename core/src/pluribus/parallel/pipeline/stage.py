@@ -14,7 +14,7 @@ from typing import Any
 
 from ...distributed import get_default_group
 from ...nn.layers import GELU, Dropout, Linear, ReLU, Tanh
-from ...nn.memory import _arrays, _Counter
+from ...nn.memory import _Counter, arrays_in
 from ...nn.module import Module, Sequential
 
 
@@ -93,7 +93,7 @@ class PipelineStage:
     def activation_bytes(self) -> int:
         """Bytes of the activations held for micro-batches in flight (each buffer once)."""
         held = list(self._after_forward.values()) + list(self._after_input_grad.values())
-        return _Counter().add(_arrays(held))
+        return _Counter().add(arrays_in(held))
 
     def _account(self) -> None:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes())
