@@ -79,3 +79,23 @@ def test_a_launcher_killed_by_sigkill_leaves_no_temporary_folder_behind(tmp_path
     quick = write_script(tmp_path, "quick.py", "print('done')\n")
     assert run_launcher("--nproc-per-node", "1", str(quick)).returncode == 0
     assert not (abandoned & _job_dirs()), f"left behind: {abandoned & _job_dirs()}"
+
+
+@pytest.mark.parametrize("message, code", [("1", 1), ("3", 3), ("bad configuration", 1)])
+def test_a_rank_stopped_while_its_exit_ran_is_described_by_its_exit_code(message, code):
+    """Under load the launcher's stop can reach a rank whose sys.exit is still shutting the
+    interpreter down: the summary still names the exit code, not a SystemExit 'raised'."""
+    from pluribus.run.summary import RankOutcome
+
+    outcome = RankOutcome(
+        rank=3,
+        local_rank=3,
+        node_rank=0,
+        host="h",
+        pid=1,
+        returncode=-signal.SIGTERM,
+        stopped_by_launcher=True,
+        error={"exc_type": "SystemExit", "message": message, "time": 1.0},
+    )
+    assert outcome.how().startswith(f"exited with code {code} ")
+    assert outcome.exit_code == code

@@ -57,8 +57,17 @@ class RankOutcome:
         """What a shell reports for this rank: the code, or 128 + the signal's number (for a
         rank stopped while exiting after an uncaught exception, Python's 1)."""
         if self.returncode is None or self.stopped_while_exiting:
-            return 1
+            return self.requested_exit_code or 1
         return 128 + self.signal if self.signal else self.returncode
+
+    @property
+    def requested_exit_code(self) -> int | None:
+        """The code of the rank's ``sys.exit``, when that is how it failed (``sys.exit("text")``
+        exits with 1, as Python does)."""
+        if not self.error or self.error.get("exc_type") != "SystemExit":
+            return None
+        message = (self.error.get("message") or "").strip()
+        return int(message) if message.lstrip("-").isdigit() else 1
 
     @property
     def failure_time(self) -> float:
@@ -77,6 +86,11 @@ class RankOutcome:
     def how(self) -> str:
         if self.returncode is None:
             return "did not exit"
+        if self.stopped_while_exiting and self.requested_exit_code is not None:
+            return (
+                f"exited with code {self.requested_exit_code} (then was stopped by the launcher "
+                "while its interpreter shut down)"
+            )
         if self.stopped_while_exiting:
             return (
                 f"raised {self.error.get('exc_type')} (then was stopped by the launcher while "
