@@ -13,6 +13,7 @@ import heapq
 import itertools
 import json
 import math
+import os
 import queue
 import socket
 import threading
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DistTimeoutError, PeerError, PluribusError
-from . import wire
+from . import segments, wire
 from .channel import Channel
 from .errors import LEFT, RemoteError
 from .futures import Future
@@ -55,6 +56,7 @@ class Agent:
         max_message: int,
         address: str,
         bind_thread=None,
+        shared_memory: bool = True,
     ):
         self.name = name
         self.rank = rank
@@ -70,6 +72,10 @@ class Agent:
         self._by_name: dict[str, WorkerInfo] = {}
         self._limits: dict[int, int] = {}
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._probe = segments.Probe() if shared_memory else None
+        self._pids: dict[int, int] = {}
+        self._segments_from: set[int] = set()  # peers whose segments this worker can open
+        self._segments_to: set[int] = set()  # peers that can open this worker's segments
         self._call_ids = itertools.count(1)
         self._rref_ids = itertools.count(1)
         self._state = "running"
@@ -111,8 +117,11 @@ class Agent:
             "host": self._listener.host,
             "port": self._listener.port,
             "max_message": self.max_message,
+            "pid": os.getpid(),
+            "segments": self._probe.describe() if self._probe else None,
         }
         self.store.set(f"rpc/worker/{self.rank}", json.dumps(me))
+        entries = []
         for rank in range(self.world_size):
             left = max(0.1, deadline - time.monotonic())
             try:
@@ -123,6 +132,7 @@ class Agent:
                     f"all {self.world_size} workers (world_size={self.world_size})"
                 ) from None
             entry = json.loads(raw)
+            entries.append(entry)
             info = WorkerInfo(str(entry["name"]), rank)
             if info.name in self._by_name:
                 other = self._by_name[info.name].id
@@ -134,6 +144,39 @@ class Agent:
             self._by_name[info.name] = info
             self._addresses[rank] = (str(entry["host"]), int(entry["port"]))
             self._limits[rank] = int(entry["max_message"])
+        self._join_segments(entries, deadline)
+
+    def _join_segments(self, entries: list[dict], deadline: float) -> None:
+        """Find which peers share this host's memory with this worker, both ways: each worker
+        probes the others' published segments and publishes whose it could open."""
+        if self._probe is None:
+            return
+        for rank, entry in enumerate(entries):
+            if isinstance(entry.get("pid"), int) and segments.can_read(entry.get("segments")):
+                self._pids[rank] = entry["pid"]
+                self._segments_from.add(rank)
+        self.store.set(f"rpc/segments/{self.rank}", json.dumps(sorted(self._segments_from)))
+        for rank in range(self.world_size):
+            try:
+                readers = json.loads(
+                    self.store.get(f"rpc/segments/{rank}", max(0.1, deadline - time.monotonic()))
+                )
+            except DistTimeoutError:
+                continue  # that peer gets TCP only
+            if self.rank in readers:
+                self._segments_to.add(rank)
+
+    def sends_segments_to(self, rank: int) -> bool:
+        return rank in self._segments_to
+
+    def open_segment(self, sender: int, fd: int, size: int):
+        """The heap of a frame from ``sender`` that came in its segment ``fd``."""
+        if sender not in self._segments_from:
+            raise segments.SegmentError(
+                f"{self.who}: rank {sender} sent a shared-memory segment but did not prove at "
+                "start-up that it shares this host's memory"
+            )
+        return segments.open_mapped(self._pids[sender], fd, size)
 
     # -- whom to call ------------------------------------------------------------------------
 
@@ -494,6 +537,8 @@ class Agent:
         self._releases.put(None)
         self.pool.close()
         self.table.clear()
+        if self._probe is not None:
+            self._probe.close()
 
 
 class _Body(tuple):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import select
 import socket
 import threading
@@ -10,7 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import PluribusError
-from . import wire
+from . import segments, wire
 from .errors import DIED, LEFT
 from .futures import Future
 from .pool import current_pool, waiting
@@ -36,7 +37,12 @@ class Channel:
         self.pending: dict[int, Future] = {}
         self.broken: str | None = None
         self._said_bye = False
-        self._reader = wire.FrameReader(sock, agent.max_message)
+        self._reader = wire.FrameReader(
+            sock, agent.max_message, lambda fd, size: agent.open_segment(peer.id, fd, size)
+        )
+        self._segments: dict[int, int] = {}  # call id -> segment held until its reply comes
+        self._segments_lock = threading.Lock()
+        self._acks: list[int] = []  # replies read from segments, to tell the peer about
         self._role = threading.Lock()  # reading
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -52,21 +58,35 @@ class Channel:
         """Write a frame; with ``future``, a request whose reply will settle it (read by the
         caller in ``wait``, or by the channel's thread after ``want_reader``)."""
         description, pieces = body
-        if self.owed() and sum(p.nbytes for p in pieces) > 65536:
+        size = sum(p.nbytes for p in pieces)
+        segment = None
+        if kind == wire.REQUEST and size >= segments.SEGMENT_MIN:
+            if self.agent.sends_segments_to(self.peer.id):
+                try:
+                    segment = segments.write(pieces, size)
+                except OSError:
+                    segment = None  # out of memory for segments: TCP carries it
+        if segment is None and self.owed() and size > 65536:
             # someone must read replies while this thread may block sending: a peer blocked
             # sending a large reply is not reading this request
             self.want_reader()
         with self.lock:
             if self.broken is not None:
+                if segment is not None:
+                    os.close(segment)
                 raise self.agent.gone_error(self.peer, self.broken)
             if future is not None:
                 self.pending[call_id] = future
+            if segment is not None:
+                with self._segments_lock:
+                    self._segments[call_id] = segment
             try:
-                wire.send_frame(self.sock, kind, call_id, description, pieces)
+                wire.send_frame(self.sock, kind, call_id, description, pieces, segment)
                 if kind == wire.REQUEST:
                     self._requests_sent += 1
             except OSError as exc:
                 self.pending.pop(call_id, None)
+                self._close_segments()
                 self.broken = DIED
                 raise self.agent.gone_error(self.peer, f"{DIED}: {exc}") from None
 
@@ -144,6 +164,12 @@ class Channel:
             if kind != wire.REPLY:
                 raise wire.FrameError(f"a frame of kind {kind} where replies come")
             self._replies_read += 1
+            with self._segments_lock:
+                segment = self._segments.pop(call_id, None)
+            if segment is not None:  # the peer has mapped it, or failed to: either way, done
+                os.close(segment)
+            if self._reader.segment_read:
+                self._acks.append(call_id)
         except (OSError, ValueError) as exc:
             return ("close", LEFT if self._said_bye else f"{DIED}: {exc}")
         future = self.pending.pop(call_id, None)
@@ -157,6 +183,12 @@ class Channel:
         return ("reply", future, reply)
 
     def _settle(self, outcome) -> None:
+        while self._acks:  # the peer holds the segments of these replies until told
+            body = wire.encode_body({"op": "segment-read", "call": self._acks.pop()}, "")
+            try:
+                self.send(wire.NOTE, 0, body)
+            except PluribusError:
+                self._acks.clear()
         if outcome is None:
             return
         if outcome[0] == "close":
@@ -166,11 +198,18 @@ class Channel:
         else:
             self.agent.deliver(outcome[1], outcome[2], self.peer)
 
+    def _close_segments(self) -> None:
+        with self._segments_lock:
+            segments_held, self._segments = self._segments, {}
+        for segment in segments_held.values():
+            os.close(segment)
+
     def close(self, reason: str) -> None:
         with self.lock:
             if self.broken is None:
                 self.broken = reason
             pending, self.pending = self.pending, {}
+            self._close_segments()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
