@@ -18,6 +18,7 @@ import queue
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,7 @@ class Agent:
         self._pids: dict[int, int] = {}
         self._segments_from: set[int] = set()  # peers whose segments this worker can open
         self._segments_to: set[int] = set()  # peers that can open this worker's segments
+        self.segment_pool = segments.SegmentPool()
         self._call_ids = itertools.count(1)
         self._rref_ids = itertools.count(1)
         self._state = "running"
@@ -166,17 +168,40 @@ class Agent:
             if self.rank in readers:
                 self._segments_to.add(rank)
 
-    def sends_segments_to(self, rank: int) -> bool:
-        return rank in self._segments_to
+    def lend_segment(self, pieces: list, size: int, peer: int) -> tuple[int, int] | None:
+        """(fd, serial) of a segment holding a frame's heap for ``peer``; None: TCP carries
+        it (a small heap, a peer on another host, or no memory for segments)."""
+        if size < segments.SEGMENT_MIN or peer not in self._segments_to:
+            return None
+        try:
+            serial, fd = self.segment_pool.lend(pieces, size, peer)
+        except OSError:
+            return None
+        return fd, serial
 
-    def open_segment(self, sender: int, fd: int, size: int):
-        """The heap of a frame from ``sender`` that came in its segment ``fd``."""
+    def open_segment(self, sender: int, fd: int, serial: int, size: int):
+        """The heap of a frame from ``sender`` that came in its segment ``fd``; the segment
+        goes back to ``sender`` when the last array viewing it is gone."""
         if sender not in self._segments_from:
             raise segments.SegmentError(
                 f"{self.who}: rank {sender} sent a shared-memory segment but did not prove at "
                 "start-up that it shares this host's memory"
             )
-        return segments.open_mapped(self._pids[sender], fd, size)
+        heap = segments.open_mapped(self._pids[sender], fd, size)
+        weakref.finalize(heap, self._releases.put, (self._segment_free, sender, serial))
+        return heap
+
+    def _segment_free(self, sender: int, serial: int) -> None:
+        if sender == self.rank:
+            self.segment_pool.give_back(serial, self.rank)
+            return
+        if self._state == "closed":
+            return  # the sender closes its segments when it sees this worker leave
+        try:
+            body = wire.encode_body({"op": "segment-free", "serial": serial}, self.who)
+            self._channel(self.workers[sender], self.timeout).send(wire.NOTE, 0, body)
+        except PluribusError:
+            pass  # the sender is gone, and its segments with it
 
     # -- whom to call ------------------------------------------------------------------------
 
@@ -223,6 +248,8 @@ class Agent:
         with self._lock:
             if reason is not None and rank not in self._gone and rank != self.rank:
                 self._gone[rank] = reason
+        if rank != self.rank:
+            self.segment_pool.forget_peer(rank)
 
     def _channel(self, peer: WorkerInfo, timeout: float) -> Channel:
         channel = self._channels.get(peer.id)
@@ -387,14 +414,14 @@ class Agent:
 
     def release_later(self, owner: int, rid: str) -> None:
         """From a garbage-collected handle: any thread, holding any lock."""
-        self._releases.put((owner, rid))
+        self._releases.put((self.release, owner, rid))
 
     def _release_loop(self) -> None:
         while True:
             item = self._releases.get()
             if item is None:
                 return
-            self.release(*item)
+            item[0](*item[1:])
 
     def _add_count(self, owner: int, rid: str) -> None:
         if owner == self.rank:
@@ -537,6 +564,7 @@ class Agent:
         self._releases.put(None)
         self.pool.close()
         self.table.clear()
+        self.segment_pool.close()
         if self._probe is not None:
             self._probe.close()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import select
 import socket
 import threading
@@ -11,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import PluribusError
-from . import segments, wire
+from . import wire
 from .errors import DIED, LEFT
 from .futures import Future
 from .pool import current_pool, waiting
@@ -38,11 +37,10 @@ class Channel:
         self.broken: str | None = None
         self._said_bye = False
         self._reader = wire.FrameReader(
-            sock, agent.max_message, lambda fd, size: agent.open_segment(peer.id, fd, size)
+            sock,
+            agent.max_message,
+            lambda fd, serial, size: agent.open_segment(peer.id, fd, serial, size),
         )
-        self._segments: dict[int, int] = {}  # call id -> segment held until its reply comes
-        self._segments_lock = threading.Lock()
-        self._acks: list[int] = []  # replies read from segments, to tell the peer about
         self._role = threading.Lock()  # reading
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -60,33 +58,25 @@ class Channel:
         description, pieces = body
         size = sum(p.nbytes for p in pieces)
         segment = None
-        if kind == wire.REQUEST and size >= segments.SEGMENT_MIN:
-            if self.agent.sends_segments_to(self.peer.id):
-                try:
-                    segment = segments.write(pieces, size)
-                except OSError:
-                    segment = None  # out of memory for segments: TCP carries it
+        if kind == wire.REQUEST:
+            segment = self.agent.lend_segment(pieces, size, self.peer.id)
         if segment is None and self.owed() and size > 65536:
             # someone must read replies while this thread may block sending: a peer blocked
             # sending a large reply is not reading this request
             self.want_reader()
         with self.lock:
             if self.broken is not None:
-                if segment is not None:
-                    os.close(segment)
+                if segment is not None:  # never sent: free to write again
+                    self.agent.segment_pool.give_back(segment[1], self.peer.id)
                 raise self.agent.gone_error(self.peer, self.broken)
             if future is not None:
                 self.pending[call_id] = future
-            if segment is not None:
-                with self._segments_lock:
-                    self._segments[call_id] = segment
             try:
                 wire.send_frame(self.sock, kind, call_id, description, pieces, segment)
                 if kind == wire.REQUEST:
                     self._requests_sent += 1
             except OSError as exc:
                 self.pending.pop(call_id, None)
-                self._close_segments()
                 self.broken = DIED
                 raise self.agent.gone_error(self.peer, f"{DIED}: {exc}") from None
 
@@ -164,12 +154,6 @@ class Channel:
             if kind != wire.REPLY:
                 raise wire.FrameError(f"a frame of kind {kind} where replies come")
             self._replies_read += 1
-            with self._segments_lock:
-                segment = self._segments.pop(call_id, None)
-            if segment is not None:  # the peer has mapped it, or failed to: either way, done
-                os.close(segment)
-            if self._reader.segment_read:
-                self._acks.append(call_id)
         except (OSError, ValueError) as exc:
             return ("close", LEFT if self._said_bye else f"{DIED}: {exc}")
         future = self.pending.pop(call_id, None)
@@ -183,12 +167,6 @@ class Channel:
         return ("reply", future, reply)
 
     def _settle(self, outcome) -> None:
-        while self._acks:  # the peer holds the segments of these replies until told
-            body = wire.encode_body({"op": "segment-read", "call": self._acks.pop()}, "")
-            try:
-                self.send(wire.NOTE, 0, body)
-            except PluribusError:
-                self._acks.clear()
         if outcome is None:
             return
         if outcome[0] == "close":
@@ -198,18 +176,11 @@ class Channel:
         else:
             self.agent.deliver(outcome[1], outcome[2], self.peer)
 
-    def _close_segments(self) -> None:
-        with self._segments_lock:
-            segments_held, self._segments = self._segments, {}
-        for segment in segments_held.values():
-            os.close(segment)
-
     def close(self, reason: str) -> None:
         with self.lock:
             if self.broken is None:
                 self.broken = reason
             pending, self.pending = self.pending, {}
-            self._close_segments()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -1,27 +1,28 @@
-"""Large array payloads between workers of one host, through sealed anonymous memory.
+"""Large array payloads between workers of one host, through anonymous shared memory.
 
 TCP on one host moves about half the bytes per second that shared memory does. So a frame
 whose arrays reach ``SEGMENT_MIN`` bytes, sent to a worker that proved at start-up that it can
-read this process's memory files, carries its heap in a *segment* instead: a ``memfd`` (memory
-with no name in any file system) that the sender fills with one ``pwritev`` and seals
-against writing, growing and shrinking. Only the segment's file descriptor number travels on
-the connection. The receiver opens it through ``/proc/<sender pid>/fd/<n>`` (the sender's pid
-is the one the worker published in the job's authenticated store, and the link must name a
-pluribus segment), checks its size and seals, and maps it copy-on-write: the decoded arrays
-view the mapping, writable, and stay valid after the sender lets go, because sealed memory can
-be neither changed nor cut short under them.
+open this process's memory files, carries its heap in a *segment* instead: a ``memfd`` (memory
+with no name in any file system), sealed at its size, that the sender fills with one
+``pwritev``. Only the segment's file descriptor number and serial travel on the connection.
+The receiver opens it through ``/proc/<sender pid>/fd/<n>`` (the pid the sender published in
+the job's authenticated store; the link must name a pluribus segment), checks its size and
+seals, and maps it: the decoded arrays view the mapping, writable, and can never fault on
+memory cut short under them. The segment is the receiver's until every array viewing it is
+gone; then it tells the sender, which may write it again (``SegmentPool``).
 
 Nothing is ever left behind: a memfd lives only while a process holds it open or mapped, so a
-crash on either side frees it. The sender keeps each segment open until the receiver says it
-has mapped it (the reply to a request, or a note for a reply) or the connection ends.
+crash or shutdown on either side frees it, and no name appears in /dev/shm.
 """
 
 from __future__ import annotations
 
 import fcntl
+import itertools
 import mmap
 import os
 import secrets
+import threading
 
 import numpy as np
 
@@ -32,6 +33,10 @@ SEGMENT_MIN = 256 * 2**10
 _SEGMENT_NAME = "pluribus-rpc-segment"
 _PROBE_NAME = "pluribus-rpc-probe"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+#: A segment's size is fixed (it cannot be cut short under a reader's mapping); its content is
+#: rewritten when it is reused.
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_GRANULE = 2**20
 _IOV_MAX = 512
 
 
@@ -95,30 +100,104 @@ def can_read(described: object) -> bool:
         return False
 
 
-def write(pieces: list[memoryview], size: int) -> int:
-    """A sealed segment holding ``pieces`` one after the other; its file descriptor, which
-    the caller closes once the receiver has mapped it."""
+class SegmentPool:
+    """The segments this worker lends to its peers, reused once given back.
+
+    A fresh segment costs a page fault per page on first write, several times a plain copy on
+    this kind of machine, so segments are kept: a segment is *lent* to one peer with a frame,
+    and *given back* by that peer (a note) once every array viewing it is gone; only then is it
+    written again. Segments lent to a peer that is gone are closed, never reused, and at most
+    ``FREE_LIMIT`` bytes of free segments are kept.
+    """
+
+    FREE_LIMIT = 256 * 2**20
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._serials = itertools.count(1)
+        self._free: list[tuple[int, int]] = []  # (capacity, fd), oldest first
+        self._lent: dict[int, tuple[int, int, int]] = {}  # serial -> (fd, capacity, peer)
+
+    def lend(self, pieces: list[memoryview], size: int, peer: int) -> tuple[int, int]:
+        """(serial, fd) of a segment holding ``pieces`` one after the other, lent to ``peer``."""
+        with self._lock:
+            fits = [entry for entry in self._free if size <= entry[0] <= 2 * size]
+            if fits:
+                entry = min(fits)
+                self._free.remove(entry)
+            else:
+                entry = None
+            serial = next(self._serials)
+        capacity, fd = entry if entry is not None else _new_segment(size)
+        try:
+            _write(fd, pieces, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._lent[serial] = (fd, capacity, peer)
+        return serial, fd
+
+    def give_back(self, serial: int, peer: int) -> None:
+        """``peer`` no longer views the segment ``serial`` (from any other peer: ignored)."""
+        with self._lock:
+            entry = self._lent.get(serial)
+            if entry is None or entry[2] != peer:
+                return
+            del self._lent[serial]
+            fd, capacity, _ = entry
+            self._free.append((capacity, fd))
+            closing = []
+            while sum(c for c, _ in self._free) > self.FREE_LIMIT:
+                closing.append(self._free.pop(0)[1])
+        for fd in closing:
+            os.close(fd)
+
+    def forget_peer(self, peer: int) -> None:
+        """Close (never reuse) what ``peer`` was lent: it is gone, or may still view them."""
+        with self._lock:
+            gone = [s for s, entry in self._lent.items() if entry[2] == peer]
+            fds = [self._lent.pop(s)[0] for s in gone]
+        for fd in fds:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close every segment; peers' mappings stay valid (a mapping keeps its memory)."""
+        with self._lock:
+            fds = [fd for _, fd in self._free] + [entry[0] for entry in self._lent.values()]
+            self._free, self._lent = [], {}
+        for fd in fds:
+            os.close(fd)
+
+
+def _new_segment(size: int) -> tuple[int, int]:
+    """(capacity, fd) of a new segment of at least ``size`` bytes, sealed at its size."""
+    capacity = -(-size // _GRANULE) * _GRANULE
     fd = _new_memfd(_SEGMENT_NAME)
     try:
-        views = [p for p in pieces if p.nbytes]
-        offset = 0
-        while views:
-            written = os.pwritev(fd, views[:_IOV_MAX], offset)
-            if written <= 0:
-                raise OSError("a segment write made no progress")
-            offset += written
-            while views and written >= views[0].nbytes:
-                written -= views[0].nbytes
-                views.pop(0)
-            if written:
-                views[0] = views[0][written:]
-        if offset != size:
-            raise OSError(f"wrote {offset} bytes of a {size}-byte segment")
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        os.ftruncate(fd, capacity)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return capacity, fd
+
+
+def _write(fd: int, pieces: list[memoryview], size: int) -> None:
+    views = [p for p in pieces if p.nbytes]
+    offset = 0
+    while views:
+        written = os.pwritev(fd, views[:_IOV_MAX], offset)
+        if written <= 0:
+            raise OSError("a segment write made no progress")
+        offset += written
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+    if offset != size:
+        raise OSError(f"wrote {offset} bytes of a {size}-byte segment")
 
 
 class SegmentError(ValueError):
@@ -126,22 +205,21 @@ class SegmentError(ValueError):
 
 
 def open_mapped(pid: int, fd: int, size: int) -> np.ndarray:
-    """The ``size`` bytes of segment ``fd`` of process ``pid``, mapped copy-on-write."""
+    """The first ``size`` bytes of segment ``fd`` of process ``pid``, mapped (shared: the
+    segment is this worker's until it gives it back)."""
     path = f"/proc/{pid}/fd/{fd}"
     try:
         if not os.readlink(path).startswith(f"/memfd:{_SEGMENT_NAME}"):
             raise SegmentError(f"{path} is not an RPC segment")
-        segment = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        segment = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
         raise SegmentError(f"cannot open the segment {path}: {exc}") from None
     try:
-        if os.fstat(segment).st_size != size:
-            raise SegmentError(f"the segment {path} does not hold the {size} bytes announced")
-        if fcntl.fcntl(segment, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-            raise SegmentError(f"the segment {path} is not sealed; it could change under use")
-        mapping = mmap.mmap(
-            segment, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
+        if os.fstat(segment).st_size < size:
+            raise SegmentError(f"the segment {path} is smaller than the {size} bytes announced")
+        if fcntl.fcntl(segment, fcntl.F_GET_SEALS) & _SIZE_SEALS != _SIZE_SEALS:
+            raise SegmentError(f"the segment {path} is not sealed; it could shrink under use")
+        mapping = mmap.mmap(segment, size, flags=mmap.MAP_SHARED)
     except OSError as exc:
         raise SegmentError(f"cannot map the segment {path}: {exc}") from None
     finally:

@@ -9,7 +9,6 @@ run on the agent's bounded pool.
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import threading
 import time
@@ -17,7 +16,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PluribusError
-from . import registry, segments, wire
+from . import registry, wire
 from .errors import DIED
 
 if TYPE_CHECKING:
@@ -38,9 +37,10 @@ class ServerConnection:
         self.closed = False
         self.name = agent.workers[peer].name if peer < len(agent.workers) else str(peer)
         self._reader = wire.FrameReader(
-            sock, agent.max_message, lambda fd, size: agent.open_segment(peer, fd, size)
+            sock,
+            agent.max_message,
+            lambda fd, serial, size: agent.open_segment(peer, fd, serial, size),
         )
-        self._segments: dict[int, int] = {}  # call id -> reply segment, until the peer mapped it
         self._role = threading.Lock()
         self._readers = itertools.count()
         self._reading = next(self._readers)  # which thread reads now
@@ -108,7 +108,7 @@ class ServerConnection:
                     if not self._still_reader(token):
                         return  # another thread reads on; this one ran a handler
                 elif kind == wire.NOTE:
-                    note(self.agent, self, body)
+                    note(self.agent, self.peer, body)
         except OSError:
             pass
         self.close()
@@ -135,31 +135,16 @@ class ServerConnection:
 
     def _send(self, kind: int, call_id: int, body) -> None:
         description, pieces = body
-        segment = None
-        size = sum(p.nbytes for p in pieces)
-        if size >= segments.SEGMENT_MIN and self.agent.sends_segments_to(self.peer):
-            try:
-                segment = segments.write(pieces, size)
-            except OSError:
-                segment = None  # out of memory for segments: TCP carries it
+        segment = self.agent.lend_segment(pieces, sum(p.nbytes for p in pieces), self.peer)
         with self.lock:
             if self.closed:
                 if segment is not None:
-                    os.close(segment)
+                    self.agent.segment_pool.give_back(segment[1], self.peer)
                 return
-            if segment is not None:
-                self._segments[call_id] = segment
             try:
                 wire.send_frame(self.sock, kind, call_id, description, pieces, segment)
             except OSError:
                 pass  # the caller is gone; its own side reports that
-
-    def segment_read(self, call_id: int) -> None:
-        """The peer has mapped the reply ``call_id`` came in: let its segment go."""
-        with self.lock:
-            segment = self._segments.pop(call_id, None)
-        if segment is not None:
-            os.close(segment)
 
     def close(self, bye: bool = False) -> None:
         with self.lock:
@@ -172,9 +157,6 @@ class ServerConnection:
                 except OSError:
                     pass
             self.closed = True
-            held, self._segments = self._segments, {}
-        for segment in held.values():
-            os.close(segment)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -183,14 +165,14 @@ class ServerConnection:
         self.agent.forget_connection(self)
 
 
-def note(agent: Agent, connection: ServerConnection, body: Any) -> None:
-    """A note from a peer: a released reference, or a reply's segment it has mapped."""
+def note(agent: Agent, peer: int, body: Any) -> None:
+    """A note from a peer: a released reference, or a segment it no longer views."""
     if not isinstance(body, dict):
         return
     if body.get("op") == "decref" and isinstance(body.get("rref"), str):
         agent.table.decref(body["rref"])
-    elif body.get("op") == "segment-read" and type(body.get("call")) is int:
-        connection.segment_read(body["call"])
+    elif body.get("op") == "segment-free" and type(body.get("serial")) is int:
+        agent.segment_pool.give_back(body["serial"], peer)
 
 
 def serve(

@@ -25,7 +25,7 @@ HEADER = struct.Struct("<4sBB2xQQQ")  # magic, kind, flags, call id, description
 #: The flag of a frame whose heap is in a segment, located by the ``LOCATOR`` after the
 #: description.
 IN_SEGMENT = 1
-LOCATOR = struct.Struct("<Q")  # the sender's file descriptor number of the segment
+LOCATOR = struct.Struct("<QQ")  # the sender's file descriptor number and serial of the segment
 
 #: Frame kinds. A request is answered by a reply with the same call id; a note is not answered.
 REQUEST, REPLY, NOTE, BYE = 1, 2, 3, 4
@@ -97,10 +97,11 @@ def send_frame(
     call_id: int,
     description: bytes = b"",
     pieces: list[memoryview] | tuple = (),
-    segment: int | None = None,
+    segment: tuple[int, int] | None = None,
 ) -> None:
-    """Write one frame; the caller holds the connection's send lock. With ``segment`` (a file
-    descriptor holding the pieces), only its locator follows the description."""
+    """Write one frame; the caller holds the connection's send lock. With ``segment`` (the
+    file descriptor and serial of a segment holding the pieces), only its locator follows the
+    description."""
     heap = sum(p.nbytes for p in pieces)
     flags = 0 if segment is None else IN_SEGMENT
     header = HEADER.pack(MAGIC, kind, flags, call_id, len(description), heap)
@@ -110,7 +111,7 @@ def send_frame(
     if segment is None:
         buffers.extend(p for p in pieces if p.nbytes)
     else:
-        buffers.append(memoryview(LOCATOR.pack(segment)))
+        buffers.append(memoryview(LOCATOR.pack(*segment)))
         heap = 0
     if heap < 65536:  # one small write beats sendmsg's bookkeeping
         sock.sendall(b"".join(buffers))
@@ -128,15 +129,13 @@ class FrameReader:
     """Reads frames from one socket with as few system calls as possible: small frames come
     out of one buffered ``recv``, large heaps are read straight into their own array.
 
-    ``open_segment(fd, size)`` maps a segment the peer announces; without it (a peer on
-    another host) a segment frame is malformed. ``segment_read`` tells whether the last frame
-    came in a segment, which its sender holds until told."""
+    ``open_segment(fd, serial, size)`` maps a segment the peer announces; without it a
+    segment frame is malformed."""
 
     def __init__(self, sock: socket.socket, max_message: int, open_segment=None):
         self.sock = sock
         self.max_message = max_message
         self.open_segment = open_segment
-        self.segment_read = False
         self._buffer = bytearray(_BUFFER)
         self._view = memoryview(self._buffer)
         self._start = 0
@@ -176,7 +175,6 @@ class FrameReader:
         kind, flags, call_id, description_size, heap_size = parse_header(
             self._take(HEADER.size), self.max_message
         )
-        self.segment_read = False
         description = b""
         if description_size:
             if description_size <= _BUFFER:
@@ -189,12 +187,11 @@ class FrameReader:
             return kind, call_id, description, self._read_into(np.empty(heap_size, np.uint8))
         if not self._fill(LOCATOR.size):
             raise ConnectionError("the connection closed inside a message")
-        (fd,) = LOCATOR.unpack(self._take(LOCATOR.size))
+        fd, serial = LOCATOR.unpack(self._take(LOCATOR.size))
         if self.open_segment is None or heap_size == 0 or fd > 2**31:
             raise FrameError("a shared-memory segment from a peer that may not send one")
-        self.segment_read = True
         try:
-            heap = self.open_segment(fd, heap_size)
+            heap = self.open_segment(fd, serial, heap_size)
         except ValueError as exc:
             raise FrameError(str(exc)) from None
         return kind, call_id, description, heap
