@@ -161,6 +161,11 @@ class SegmentPool:
         for fd in fds:
             os.close(fd)
 
+    def held(self) -> tuple[int, int]:
+        """(segments lent, segments free): how many this worker holds open."""
+        with self._lock:
+            return len(self._lent), len(self._free)
+
     def close(self) -> None:
         """Close every segment; peers' mappings stay valid (a mapping keeps its memory)."""
         with self._lock:
