@@ -78,6 +78,7 @@ class Agent:
         self._segments_from: set[int] = set()  # peers whose segments this worker can open
         self._segments_to: set[int] = set()  # peers that can open this worker's segments
         self.segment_pool = segments.SegmentPool()
+        self._mapped = segments.MappedSegments()
         self._call_ids = itertools.count(1)
         self._rref_ids = itertools.count(1)
         self._state = "running"
@@ -168,18 +169,17 @@ class Agent:
             if self.rank in readers:
                 self._segments_to.add(rank)
 
-    def lend_segment(self, pieces: list, size: int, peer: int) -> tuple[int, int] | None:
-        """(fd, serial) of a segment holding a frame's heap for ``peer``; None: TCP carries
-        it (a small heap, a peer on another host, or no memory for segments)."""
+    def lend_segment(self, pieces: list, size: int, peer: int) -> tuple[int, int, int] | None:
+        """(fd, segment id, serial) of a segment holding a frame's heap for ``peer``; None:
+        TCP carries it (a small heap, a peer on another host, or no memory for segments)."""
         if size < segments.SEGMENT_MIN or peer not in self._segments_to:
             return None
         try:
-            serial, fd = self.segment_pool.lend(pieces, size, peer)
+            return self.segment_pool.lend(pieces, size, peer)
         except OSError:
             return None
-        return fd, serial
 
-    def open_segment(self, sender: int, fd: int, serial: int, size: int):
+    def open_segment(self, sender: int, fd: int, segment_id: int, serial: int, size: int):
         """The heap of a frame from ``sender`` that came in its segment ``fd``; the segment
         goes back to ``sender`` when the last array viewing it is gone."""
         if sender not in self._segments_from:
@@ -187,7 +187,7 @@ class Agent:
                 f"{self.who}: rank {sender} sent a shared-memory segment but did not prove at "
                 "start-up that it shares this host's memory"
             )
-        heap = segments.open_mapped(self._pids[sender], fd, size)
+        heap = self._mapped.heap(sender, self._pids[sender], fd, segment_id, size)
         weakref.finalize(heap, self._releases.put, (self._segment_free, sender, serial))
         return heap
 
@@ -250,6 +250,7 @@ class Agent:
                 self._gone[rank] = reason
         if rank != self.rank:
             self.segment_pool.forget_peer(rank)
+            self._mapped.forget(rank)
 
     def _channel(self, peer: WorkerInfo, timeout: float) -> Channel:
         channel = self._channels.get(peer.id)
@@ -565,6 +566,7 @@ class Agent:
         self.pool.close()
         self.table.clear()
         self.segment_pool.close()
+        self._mapped.forget()
         if self._probe is not None:
             self._probe.close()
 

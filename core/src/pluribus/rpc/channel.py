@@ -39,7 +39,7 @@ class Channel:
         self._reader = wire.FrameReader(
             sock,
             agent.max_message,
-            lambda fd, serial, size: agent.open_segment(peer.id, fd, serial, size),
+            lambda *locator: agent.open_segment(peer.id, *locator),
         )
         self._role = threading.Lock()  # reading
         self._poll = select.poll()
@@ -67,7 +67,7 @@ class Channel:
         with self.lock:
             if self.broken is not None:
                 if segment is not None:  # never sent: free to write again
-                    self.agent.segment_pool.give_back(segment[1], self.peer.id)
+                    self.agent.segment_pool.give_back(segment[2], self.peer.id)
                 raise self.agent.gone_error(self.peer, self.broken)
             if future is not None:
                 self.pending[call_id] = future

@@ -3,12 +3,14 @@
 TCP on one host moves about half the bytes per second that shared memory does. So a frame
 whose arrays reach ``SEGMENT_MIN`` bytes, sent to a worker that proved at start-up that it can
 open this process's memory files, carries its heap in a *segment* instead: a ``memfd`` (memory
-with no name in any file system), sealed at its size, that the sender fills with one
-``pwritev``. Only the segment's file descriptor number and serial travel on the connection.
+with no name in any file system), sealed at its size, that the sender fills through its
+own mapping. Only the segment's file descriptor number, id and serial travel on the
+connection.
 The receiver opens it through ``/proc/<sender pid>/fd/<n>`` (the pid the sender published in
 the job's authenticated store; the link must name a pluribus segment), checks its size and
-seals, and maps it: the decoded arrays view the mapping, writable, and can never fault on
-memory cut short under them. The segment is the receiver's until every array viewing it is
+seals, and maps it (once: ``MappedSegments`` keeps the mapping for the segment's next
+visits): the decoded arrays view the mapping, writable, and can never fault on memory cut
+short under them. The segment is the receiver's until every array viewing it is
 gone; then it tells the sender, which may write it again (``SegmentPool``).
 
 Nothing is ever left behind: a memfd lives only while a process holds it open or mapped, so a
@@ -17,6 +19,7 @@ crash or shutdown on either side frees it, and no name appears in /dev/shm.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import itertools
 import mmap
@@ -37,7 +40,6 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_
 #: rewritten when it is reused.
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _GRANULE = 2**20
-_IOV_MAX = 512
 
 
 def _boot_id() -> str | None:
@@ -100,6 +102,36 @@ def can_read(described: object) -> bool:
         return False
 
 
+class _Segment:
+    """One memfd, sealed at its capacity, and this process's mapping of it (kept, so that
+    writing it again costs no page faults)."""
+
+    __slots__ = ("id", "fd", "capacity", "mapping")
+
+    def __init__(self, segment_id: int, size: int):
+        self.id = segment_id
+        self.capacity = -(-size // _GRANULE) * _GRANULE
+        self.fd = _new_memfd(_SEGMENT_NAME)
+        try:
+            os.ftruncate(self.fd, self.capacity)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
+            self.mapping = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write(self, pieces: list[memoryview]) -> None:
+        offset = 0
+        with memoryview(self.mapping) as view:
+            for piece in pieces:
+                view[offset : offset + piece.nbytes] = piece.cast("B")
+                offset += piece.nbytes
+
+    def close(self) -> None:
+        self.mapping.close()
+        os.close(self.fd)
+
+
 class SegmentPool:
     """The segments this worker lends to its peers, reused once given back.
 
@@ -114,52 +146,53 @@ class SegmentPool:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._ids = itertools.count(1)
         self._serials = itertools.count(1)
-        self._free: list[tuple[int, int]] = []  # (capacity, fd), oldest first
-        self._lent: dict[int, tuple[int, int, int]] = {}  # serial -> (fd, capacity, peer)
+        self._free: list[_Segment] = []  # oldest first
+        self._lent: dict[int, tuple[_Segment, int]] = {}  # serial -> (segment, peer)
 
-    def lend(self, pieces: list[memoryview], size: int, peer: int) -> tuple[int, int]:
-        """(serial, fd) of a segment holding ``pieces`` one after the other, lent to ``peer``."""
+    def lend(self, pieces: list[memoryview], size: int, peer: int) -> tuple[int, int, int]:
+        """(fd, segment id, serial) of a segment holding ``pieces`` one after the other, lent
+        to ``peer``."""
         with self._lock:
-            fits = [entry for entry in self._free if size <= entry[0] <= 2 * size]
-            if fits:
-                entry = min(fits)
-                self._free.remove(entry)
-            else:
-                entry = None
+            fits = [s for s in self._free if size <= s.capacity <= 2 * size + _GRANULE]
+            segment = min(fits, key=lambda s: s.capacity) if fits else None
+            if segment is not None:
+                self._free.remove(segment)
             serial = next(self._serials)
-        capacity, fd = entry if entry is not None else _new_segment(size)
+            segment_id = next(self._ids)
+        if segment is None:
+            segment = _Segment(segment_id, size)
         try:
-            _write(fd, pieces, size)
+            segment.write(pieces)
         except BaseException:
-            os.close(fd)
+            segment.close()
             raise
         with self._lock:
-            self._lent[serial] = (fd, capacity, peer)
-        return serial, fd
+            self._lent[serial] = (segment, peer)
+        return segment.fd, segment.id, serial
 
     def give_back(self, serial: int, peer: int) -> None:
         """``peer`` no longer views the segment ``serial`` (from any other peer: ignored)."""
         with self._lock:
             entry = self._lent.get(serial)
-            if entry is None or entry[2] != peer:
+            if entry is None or entry[1] != peer:
                 return
             del self._lent[serial]
-            fd, capacity, _ = entry
-            self._free.append((capacity, fd))
+            self._free.append(entry[0])
             closing = []
-            while sum(c for c, _ in self._free) > self.FREE_LIMIT:
-                closing.append(self._free.pop(0)[1])
-        for fd in closing:
-            os.close(fd)
+            while sum(s.capacity for s in self._free) > self.FREE_LIMIT:
+                closing.append(self._free.pop(0))
+        for segment in closing:
+            segment.close()
 
     def forget_peer(self, peer: int) -> None:
         """Close (never reuse) what ``peer`` was lent: it is gone, or may still view them."""
         with self._lock:
-            gone = [s for s, entry in self._lent.items() if entry[2] == peer]
-            fds = [self._lent.pop(s)[0] for s in gone]
-        for fd in fds:
-            os.close(fd)
+            gone = [serial for serial, entry in self._lent.items() if entry[1] == peer]
+            closing = [self._lent.pop(serial)[0] for serial in gone]
+        for segment in closing:
+            segment.close()
 
     def held(self) -> tuple[int, int]:
         """(segments lent, segments free): how many this worker holds open."""
@@ -169,40 +202,42 @@ class SegmentPool:
     def close(self) -> None:
         """Close every segment; peers' mappings stay valid (a mapping keeps its memory)."""
         with self._lock:
-            fds = [fd for _, fd in self._free] + [entry[0] for entry in self._lent.values()]
+            closing = self._free + [entry[0] for entry in self._lent.values()]
             self._free, self._lent = [], {}
-        for fd in fds:
-            os.close(fd)
+        for segment in closing:
+            segment.close()
 
 
-def _new_segment(size: int) -> tuple[int, int]:
-    """(capacity, fd) of a new segment of at least ``size`` bytes, sealed at its size."""
-    capacity = -(-size // _GRANULE) * _GRANULE
-    fd = _new_memfd(_SEGMENT_NAME)
-    try:
-        os.ftruncate(fd, capacity)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return capacity, fd
+class MappedSegments:
+    """The peers' segments this worker has mapped, kept for when the same segment comes
+    again (a new mapping costs a page fault per page touched). Each frame's heap is a fresh
+    view of the kept mapping, so a frame's arrays are still tracked one frame at a time."""
 
+    LIMIT = 512 * 2**20
 
-def _write(fd: int, pieces: list[memoryview], size: int) -> None:
-    views = [p for p in pieces if p.nbytes]
-    offset = 0
-    while views:
-        written = os.pwritev(fd, views[:_IOV_MAX], offset)
-        if written <= 0:
-            raise OSError("a segment write made no progress")
-        offset += written
-        while views and written >= views[0].nbytes:
-            written -= views[0].nbytes
-            views.pop(0)
-        if written:
-            views[0] = views[0][written:]
-    if offset != size:
-        raise OSError(f"wrote {offset} bytes of a {size}-byte segment")
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kept: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+
+    def heap(self, sender: int, pid: int, fd: int, segment_id: int, size: int) -> np.ndarray:
+        key = (sender, segment_id)
+        with self._lock:
+            mapped = self._kept.get(key)
+            if mapped is not None and mapped.nbytes >= size:
+                self._kept.move_to_end(key)
+                return mapped[:size]
+        mapped = open_mapped(pid, fd, size)
+        with self._lock:
+            self._kept[key] = mapped
+            while sum(m.nbytes for m in self._kept.values()) > self.LIMIT:
+                self._kept.popitem(last=False)  # arrays still viewing it keep it mapped
+        return mapped[:size]
+
+    def forget(self, sender: int | None = None) -> None:
+        """Drop the mappings of ``sender``'s segments (all without one)."""
+        with self._lock:
+            for key in [k for k in self._kept if sender is None or k[0] == sender]:
+                del self._kept[key]
 
 
 class SegmentError(ValueError):

@@ -39,7 +39,7 @@ class ServerConnection:
         self._reader = wire.FrameReader(
             sock,
             agent.max_message,
-            lambda fd, serial, size: agent.open_segment(peer, fd, serial, size),
+            lambda *locator: agent.open_segment(peer, *locator),
         )
         self._role = threading.Lock()
         self._readers = itertools.count()
@@ -85,6 +85,9 @@ class ServerConnection:
         reader = self._reader
         try:
             while True:
+                # the last request's arrays (maybe a segment lent by the peer) must not live on
+                # while this thread waits for the next one
+                frame = heap = body = None
                 try:
                     frame = reader.read()
                 except wire.FrameError as exc:
@@ -139,7 +142,7 @@ class ServerConnection:
         with self.lock:
             if self.closed:
                 if segment is not None:
-                    self.agent.segment_pool.give_back(segment[1], self.peer)
+                    self.agent.segment_pool.give_back(segment[2], self.peer)
                 return
             try:
                 wire.send_frame(self.sock, kind, call_id, description, pieces, segment)

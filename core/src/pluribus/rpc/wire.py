@@ -25,7 +25,7 @@ HEADER = struct.Struct("<4sBB2xQQQ")  # magic, kind, flags, call id, description
 #: The flag of a frame whose heap is in a segment, located by the ``LOCATOR`` after the
 #: description.
 IN_SEGMENT = 1
-LOCATOR = struct.Struct("<QQ")  # the sender's file descriptor number and serial of the segment
+LOCATOR = struct.Struct("<QQQ")  # the segment's file descriptor (sender's), id and serial
 
 #: Frame kinds. A request is answered by a reply with the same call id; a note is not answered.
 REQUEST, REPLY, NOTE, BYE = 1, 2, 3, 4
@@ -97,10 +97,10 @@ def send_frame(
     call_id: int,
     description: bytes = b"",
     pieces: list[memoryview] | tuple = (),
-    segment: tuple[int, int] | None = None,
+    segment: tuple[int, int, int] | None = None,
 ) -> None:
     """Write one frame; the caller holds the connection's send lock. With ``segment`` (the
-    file descriptor and serial of a segment holding the pieces), only its locator follows the
+    file descriptor, id and serial of a segment holding the pieces), only its locator follows the
     description."""
     heap = sum(p.nbytes for p in pieces)
     flags = 0 if segment is None else IN_SEGMENT
@@ -129,7 +129,7 @@ class FrameReader:
     """Reads frames from one socket with as few system calls as possible: small frames come
     out of one buffered ``recv``, large heaps are read straight into their own array.
 
-    ``open_segment(fd, serial, size)`` maps a segment the peer announces; without it a
+    ``open_segment(fd, segment id, serial, size)`` maps a segment the peer announces; without it a
     segment frame is malformed."""
 
     def __init__(self, sock: socket.socket, max_message: int, open_segment=None):
@@ -187,11 +187,11 @@ class FrameReader:
             return kind, call_id, description, self._read_into(np.empty(heap_size, np.uint8))
         if not self._fill(LOCATOR.size):
             raise ConnectionError("the connection closed inside a message")
-        fd, serial = LOCATOR.unpack(self._take(LOCATOR.size))
+        fd, segment_id, serial = LOCATOR.unpack(self._take(LOCATOR.size))
         if self.open_segment is None or heap_size == 0 or fd > 2**31:
             raise FrameError("a shared-memory segment from a peer that may not send one")
         try:
-            heap = self.open_segment(fd, serial, heap_size)
+            heap = self.open_segment(fd, segment_id, serial, heap_size)
         except ValueError as exc:
             raise FrameError(str(exc)) from None
         return kind, call_id, description, heap
