@@ -169,13 +169,15 @@ class Agent:
             if self.rank in readers:
                 self._segments_to.add(rank)
 
-    def lend_segment(self, pieces: list, size: int, peer: int) -> tuple[int, int, int] | None:
+    def lend_segment(
+        self, pieces: list, size: int, peer: int, wait: bool = False
+    ) -> tuple[int, int, int] | None:
         """(fd, segment id, serial) of a segment holding a frame's heap for ``peer``; None:
         TCP carries it (a small heap, a peer on another host, or no memory for segments)."""
         if size < segments.SEGMENT_MIN or peer not in self._segments_to:
             return None
         try:
-            return self.segment_pool.lend(pieces, size, peer)
+            return self.segment_pool.lend(pieces, size, peer, wait)
         except OSError:
             return None
 

@@ -59,7 +59,7 @@ class Channel:
         size = sum(p.nbytes for p in pieces)
         segment = None
         if kind == wire.REQUEST:
-            segment = self.agent.lend_segment(pieces, size, self.peer.id)
+            segment = self.agent.lend_segment(pieces, size, self.peer.id, wait=True)
         if segment is None and self.owed() and size > 65536:
             # someone must read replies while this thread may block sending: a peer blocked
             # sending a large reply is not reading this request

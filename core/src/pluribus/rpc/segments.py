@@ -26,6 +26,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 
 import numpy as np
 
@@ -140,22 +141,40 @@ class SegmentPool:
     and *given back* by that peer (a note) once every array viewing it is gone; only then is it
     written again. Segments lent to a peer that is gone are closed, never reused, and at most
     ``FREE_LIMIT`` bytes of free segments are kept.
+
+    In a loop of calls the note for the last segment often arrives just after the next call
+    wants one; making a new segment then costs about as long as ``size / FRESH_BYTES_PER_S``
+    seconds, so a caller that has a fitting segment out with that peer waits for it that long
+    (``MAX_WAIT`` at most) before making one. A reply does not wait: the note it would wait
+    for may have to be read by the very thread sending the reply.
     """
 
     FREE_LIMIT = 256 * 2**20
+    FRESH_BYTES_PER_S = 2**30
+    MAX_WAIT = 0.02
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._ids = itertools.count(1)
         self._serials = itertools.count(1)
         self._free: list[_Segment] = []  # oldest first
         self._lent: dict[int, tuple[_Segment, int]] = {}  # serial -> (segment, peer)
 
-    def lend(self, pieces: list[memoryview], size: int, peer: int) -> tuple[int, int, int]:
+    def lend(
+        self, pieces: list[memoryview], size: int, peer: int, wait: bool = False
+    ) -> tuple[int, int, int]:
         """(fd, segment id, serial) of a segment holding ``pieces`` one after the other, lent
-        to ``peer``."""
+        to ``peer``; with ``wait``, waiting a little for one of its own to come back."""
         with self._lock:
-            fits = [s for s in self._free if size <= s.capacity <= 2 * size + _GRANULE]
+            patience = min(size / self.FRESH_BYTES_PER_S, self.MAX_WAIT) if wait else 0.0
+            deadline = time.monotonic() + patience
+            while True:
+                fits = [s for s in self._free if self._fits(s, size)]
+                if fits or time.monotonic() >= deadline:
+                    break
+                if not any(self._fits(s, size) and p == peer for s, p in self._lent.values()):
+                    break
+                self._lock.wait(deadline - time.monotonic())
             segment = min(fits, key=lambda s: s.capacity) if fits else None
             if segment is not None:
                 self._free.remove(segment)
@@ -172,6 +191,10 @@ class SegmentPool:
             self._lent[serial] = (segment, peer)
         return segment.fd, segment.id, serial
 
+    @staticmethod
+    def _fits(segment: _Segment, size: int) -> bool:
+        return size <= segment.capacity <= 2 * size + _GRANULE
+
     def give_back(self, serial: int, peer: int) -> None:
         """``peer`` no longer views the segment ``serial`` (from any other peer: ignored)."""
         with self._lock:
@@ -180,6 +203,7 @@ class SegmentPool:
                 return
             del self._lent[serial]
             self._free.append(entry[0])
+            self._lock.notify_all()
             closing = []
             while sum(s.capacity for s in self._free) > self.FREE_LIMIT:
                 closing.append(self._free.pop(0))
