@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import rpc_cases as c
 from pluribus import rpc
-from pluribus.rpc import segments, wire
+from pluribus.rpc import segments, transport, wire
 from pluribus.rpc.api import current_agent
+from pluribus.store import HashStore
 from rpc_cases import run_threads
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,6 +184,34 @@ def test_a_segment_from_a_peer_that_never_proved_it_shares_the_host_is_refused()
         return True
 
     assert run_threads(2, check)[0] is True
+
+
+def test_a_forged_segment_frame_is_refused_and_the_worker_keeps_serving():
+    secret = "segment-test-secret"
+    rpc.init_rpc("solo", rank=0, world_size=1, store=HashStore(), timeout=10, secret=secret)
+    try:
+        agent = current_agent()
+        host, port = agent._listener.host, agent._listener.port
+        description, _ = wire.encode_body({"op": "call", "fn": "x", "timeout": 5.0}, "test")
+        read_end, write_end = os.pipe()  # an fd of this very process that is no segment
+        try:
+            with transport.connect(host, port, secret, 0, 5.0, "solo") as sock:
+                header = wire.HEADER.pack(
+                    wire.MAGIC, wire.REQUEST, wire.IN_SEGMENT, 9, len(description), 2**20
+                )
+                sock.sendall(header + description + wire.LOCATOR.pack(read_end, 1, 1))
+                frame = wire.recv_frame(sock, 2**20)
+                assert frame is not None and frame[0] == wire.REPLY
+                error = wire.decode_body(frame[2], frame[3])["error"]
+                assert "not an RPC segment" in error[1]
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+        np.testing.assert_array_equal(
+            rpc.rpc_sync("solo", c.scale, args=(np.ones(LARGE, np.float32), 2.0)), 2.0
+        )
+    finally:
+        rpc.shutdown(timeout=5)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
