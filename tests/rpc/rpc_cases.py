@@ -6,6 +6,7 @@ imports this module serves the same names.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -138,7 +139,9 @@ class Counter:
         raise ValueError("boom")
 
 
-def run_threads(world: int, main, *args, timeout: float = 60.0, rpc_timeout: float = 20.0):
+def run_threads(
+    world: int, main, *args, timeout: float = 60.0, rpc_timeout: float = 20.0, **init_options
+):
     """Run ``main(rank, *args)`` on ``world`` threads, each an RPC worker ``w<rank>``; return
     the results by rank, raising the first error."""
     store = HashStore()
@@ -147,7 +150,14 @@ def run_threads(world: int, main, *args, timeout: float = 60.0, rpc_timeout: flo
 
     def body(rank: int) -> None:
         try:
-            rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, store=store, timeout=rpc_timeout)
+            rpc.init_rpc(
+                f"w{rank}",
+                rank=rank,
+                world_size=world,
+                store=store,
+                timeout=rpc_timeout,
+                **init_options,
+            )
             try:
                 results[rank] = main(rank, *args)
             finally:
@@ -166,6 +176,48 @@ def run_threads(world: int, main, *args, timeout: float = 60.0, rpc_timeout: flo
         rank = min(errors)
         raise errors[rank]
     return [results[r] for r in range(world)]
+
+
+@rpc.expose
+def in_segment(array) -> bool:
+    """Whether ``array`` views a shared-memory segment (not a buffer read from a socket)."""
+    item = array
+    while item is not None:
+        if isinstance(item, mmap.mmap):
+            return True
+        item = item.obj if isinstance(item, memoryview) else getattr(item, "base", None)
+    return False
+
+
+@rpc.expose
+def inspect_large(array):
+    """How a large argument arrived, and a large result computed from it."""
+    return in_segment(array), bool(array.flags.writeable), array * 2
+
+
+@rpc.expose
+def add_one_in_place(array):
+    array += 1
+    return array
+
+
+_held: list = []
+
+
+@rpc.expose
+def hold(array):
+    _held.append(array)
+    return float(array[0])
+
+
+@rpc.expose
+def held_values():
+    return [a.copy() for a in _held]
+
+
+@rpc.expose
+def drop_held():
+    _held.clear()
 
 
 @rpc.expose

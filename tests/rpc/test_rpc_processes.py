@@ -93,7 +93,34 @@ def _kill(rank, conn):
     return {"errors": errors, "later": later, "seen": seen}
 
 
-SCENARIOS = {"api": _api, "kill": _kill}
+def _segments_then_kill(rank, conn):
+    if rank == 1:
+        conn.send(("ready", None, 0))
+        time.sleep(60)  # killed by the test, holding a segment of w0's
+        return None
+    from pluribus.rpc.api import current_agent
+
+    pool = current_agent().segment_pool
+    big = np.random.default_rng(2).standard_normal(2**18).astype(np.float32)  # 1 MiB
+    out = rpc.rpc_sync("w1", c.scale, args=(big, 2.0))
+    rpc.rpc_sync("w1", c.hold, args=(big,))
+    lent_before = pool.held()[0]
+    conn.send(("ready", None, 0))
+    while True:  # until the death is seen
+        try:
+            rpc.rpc_sync("w1", c.pid, timeout=2)
+            time.sleep(0.05)
+        except PeerError:
+            break
+    return {
+        "parity": bool(np.array_equal(out, big * 2.0)),
+        "in_segment": c.in_segment(out),
+        "lent_before": lent_before,
+        "lent_after": pool.held()[0],
+    }
+
+
+SCENARIOS = {"api": _api, "kill": _kill, "segments": _segments_then_kill}
 
 
 class _Workers:
@@ -244,3 +271,23 @@ def test_a_job_started_by_mpiexec_finds_its_workers_through_mpi(tmp_path):
         raise AssertionError(f"mpiexec did not finish:\n{out}") from None
     assert proc.returncode == 0, out
     assert "sum 42" in out
+
+
+def test_large_arrays_cross_processes_in_segments_and_a_killed_holder_leaves_nothing():
+    def ours():  # other jobs on this machine may use /dev/shm meanwhile
+        return {name for name in os.listdir("/dev/shm") if "rpc" in name}
+
+    before = ours()
+    workers = _Workers(2, "segments")
+    try:
+        workers.receive(1)
+        workers.receive(0)
+        os.kill(workers.procs[1].pid, signal.SIGKILL)
+        result, shutdown_seconds = workers.receive(0, timeout=30)
+    finally:
+        workers.close()
+    assert result["parity"] and result["in_segment"]
+    assert result["lent_before"] >= 1  # w1 holds the argument it keeps
+    assert result["lent_after"] == 0  # closed once w1 was seen dead, never reused
+    assert shutdown_seconds < 5.5
+    assert ours() - before == set()  # segments are memfds: no name anywhere, gone with them

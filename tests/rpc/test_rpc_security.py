@@ -68,7 +68,7 @@ def _authenticated(agent) -> socket.socket:
 def _request(call_id, value) -> bytes:
     description, pieces = wire.encode_body(value, "test")
     heap = b"".join(bytes(p) for p in pieces)
-    header = wire.HEADER.pack(wire.MAGIC, wire.REQUEST, call_id, len(description), len(heap))
+    header = wire.HEADER.pack(wire.MAGIC, wire.REQUEST, 0, call_id, len(description), len(heap))
     return header + description + heap
 
 
@@ -137,7 +137,7 @@ def test_a_pickle_exploit_is_refused_without_being_evaluated(server, tmp_path):
     sock.close()
     # the raw pickle as a frame's body, from an authenticated peer: a malformed message
     sock = _authenticated(server)
-    header = wire.HEADER.pack(wire.MAGIC, wire.REQUEST, 7, len(payload), 0)
+    header = wire.HEADER.pack(wire.MAGIC, wire.REQUEST, 0, 7, len(payload), 0)
     sock.sendall(header + payload)
     call_id, reply = _read_reply(sock)
     assert call_id == 7 and "malformed message" in reply["error"][1]
@@ -178,7 +178,7 @@ def test_two_hundred_garbage_connections_leave_the_worker_serving_with_bounded_m
             held.append(sock)
         else:  # authenticated, then a frame header claiming an enormous body
             sock = _authenticated(server)
-            sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.REQUEST, 1, 2**40, 2**62))
+            sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.REQUEST, 0, 1, 2**40, 2**62))
             call_id, reply = _read_reply(sock)
             assert "the limit is" in reply["error"][1]
             assert _closed(sock)
@@ -212,7 +212,7 @@ def no_unpickling(monkeypatch):
 @given(header=st.binary(min_size=wire.HEADER.size, max_size=wire.HEADER.size))
 def test_any_header_is_a_frame_error_or_within_the_limits(header, no_unpickling):
     try:
-        kind, _, description, heap = wire.parse_header(header, 2**20)
+        kind, _, _, description, heap = wire.parse_header(header, 2**20)
     except wire.FrameError:
         return
     assert kind in wire.KINDS and description <= wire.MAX_DESCRIPTION and heap <= 2**20

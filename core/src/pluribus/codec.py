@@ -231,7 +231,9 @@ def decode_parts(
             array = array.copy()
         return array[()] if tag == "scalar" else array
 
-    return build(tree)
+    value = build(tree)
+    build = None  # a recursive closure is a cycle: left alone, ``heap`` lives until a GC pass
+    return value
 
 
 def _dtype_name(dtype: np.dtype) -> str:

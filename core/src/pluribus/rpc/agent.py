@@ -13,15 +13,17 @@ import heapq
 import itertools
 import json
 import math
+import os
 import queue
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DistTimeoutError, PeerError, PluribusError
-from . import wire
+from . import segments, wire
 from .channel import Channel
 from .errors import LEFT, RemoteError
 from .futures import Future
@@ -55,6 +57,7 @@ class Agent:
         max_message: int,
         address: str,
         bind_thread=None,
+        shared_memory: bool = True,
     ):
         self.name = name
         self.rank = rank
@@ -70,6 +73,12 @@ class Agent:
         self._by_name: dict[str, WorkerInfo] = {}
         self._limits: dict[int, int] = {}
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._probe = segments.Probe() if shared_memory else None
+        self._pids: dict[int, int] = {}
+        self._segments_from: set[int] = set()  # peers whose segments this worker can open
+        self._segments_to: set[int] = set()  # peers that can open this worker's segments
+        self.segment_pool = segments.SegmentPool()
+        self._mapped = segments.MappedSegments()
         self._call_ids = itertools.count(1)
         self._rref_ids = itertools.count(1)
         self._state = "running"
@@ -111,8 +120,11 @@ class Agent:
             "host": self._listener.host,
             "port": self._listener.port,
             "max_message": self.max_message,
+            "pid": os.getpid(),
+            "segments": self._probe.describe() if self._probe else None,
         }
         self.store.set(f"rpc/worker/{self.rank}", json.dumps(me))
+        entries = []
         for rank in range(self.world_size):
             left = max(0.1, deadline - time.monotonic())
             try:
@@ -123,6 +135,7 @@ class Agent:
                     f"all {self.world_size} workers (world_size={self.world_size})"
                 ) from None
             entry = json.loads(raw)
+            entries.append(entry)
             info = WorkerInfo(str(entry["name"]), rank)
             if info.name in self._by_name:
                 other = self._by_name[info.name].id
@@ -134,6 +147,63 @@ class Agent:
             self._by_name[info.name] = info
             self._addresses[rank] = (str(entry["host"]), int(entry["port"]))
             self._limits[rank] = int(entry["max_message"])
+        self._join_segments(entries, deadline)
+
+    def _join_segments(self, entries: list[dict], deadline: float) -> None:
+        """Find which peers share this host's memory with this worker, both ways: each worker
+        probes the others' published segments and publishes whose it could open."""
+        if self._probe is None:
+            return
+        for rank, entry in enumerate(entries):
+            if isinstance(entry.get("pid"), int) and segments.can_read(entry.get("segments")):
+                self._pids[rank] = entry["pid"]
+                self._segments_from.add(rank)
+        self.store.set(f"rpc/segments/{self.rank}", json.dumps(sorted(self._segments_from)))
+        for rank in range(self.world_size):
+            try:
+                readers = json.loads(
+                    self.store.get(f"rpc/segments/{rank}", max(0.1, deadline - time.monotonic()))
+                )
+            except DistTimeoutError:
+                continue  # that peer gets TCP only
+            if self.rank in readers:
+                self._segments_to.add(rank)
+
+    def lend_segment(
+        self, pieces: list, size: int, peer: int, wait: bool = False
+    ) -> tuple[int, int, int] | None:
+        """(fd, segment id, serial) of a segment holding a frame's heap for ``peer``; None:
+        TCP carries it (a small heap, a peer on another host, or no memory for segments)."""
+        if size < segments.SEGMENT_MIN or peer not in self._segments_to:
+            return None
+        try:
+            return self.segment_pool.lend(pieces, size, peer, wait)
+        except OSError:
+            return None
+
+    def open_segment(self, sender: int, fd: int, segment_id: int, serial: int, size: int):
+        """The heap of a frame from ``sender`` that came in its segment ``fd``; the segment
+        goes back to ``sender`` when the last array viewing it is gone."""
+        if sender not in self._segments_from:
+            raise segments.SegmentError(
+                f"{self.who}: rank {sender} sent a shared-memory segment but did not prove at "
+                "start-up that it shares this host's memory"
+            )
+        heap = self._mapped.heap(sender, self._pids[sender], fd, segment_id, size)
+        weakref.finalize(heap, self._releases.put, (self._segment_free, sender, serial))
+        return heap
+
+    def _segment_free(self, sender: int, serial: int) -> None:
+        if sender == self.rank:
+            self.segment_pool.give_back(serial, self.rank)
+            return
+        if self._state == "closed":
+            return  # the sender closes its segments when it sees this worker leave
+        try:
+            body = wire.encode_body({"op": "segment-free", "serial": serial}, self.who)
+            self._channel(self.workers[sender], self.timeout).send(wire.NOTE, 0, body)
+        except PluribusError:
+            pass  # the sender is gone, and its segments with it
 
     # -- whom to call ------------------------------------------------------------------------
 
@@ -180,6 +250,9 @@ class Agent:
         with self._lock:
             if reason is not None and rank not in self._gone and rank != self.rank:
                 self._gone[rank] = reason
+        if rank != self.rank:
+            self.segment_pool.forget_peer(rank)
+            self._mapped.forget(rank)
 
     def _channel(self, peer: WorkerInfo, timeout: float) -> Channel:
         channel = self._channels.get(peer.id)
@@ -344,14 +417,14 @@ class Agent:
 
     def release_later(self, owner: int, rid: str) -> None:
         """From a garbage-collected handle: any thread, holding any lock."""
-        self._releases.put((owner, rid))
+        self._releases.put((self.release, owner, rid))
 
     def _release_loop(self) -> None:
         while True:
             item = self._releases.get()
             if item is None:
                 return
-            self.release(*item)
+            item[0](*item[1:])
 
     def _add_count(self, owner: int, rid: str) -> None:
         if owner == self.rank:
@@ -494,6 +567,10 @@ class Agent:
         self._releases.put(None)
         self.pool.close()
         self.table.clear()
+        self.segment_pool.close()
+        self._mapped.forget()
+        if self._probe is not None:
+            self._probe.close()
 
 
 class _Body(tuple):

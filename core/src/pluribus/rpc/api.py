@@ -53,6 +53,7 @@ def init_rpc(
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE,
     secret: str | None = None,
     listen_addr: str | None = None,
+    shared_memory: bool = True,
 ) -> WorkerInfo:
     """Start this worker's RPC agent under ``name`` and wait until every worker has.
 
@@ -62,6 +63,7 @@ def init_rpc(
     ``num_worker_threads`` handlers run at once (``max_threads`` threads at most, counting
     handlers that wait for nested calls). The secret is ``PLURIBUS_AUTH_TOKEN`` (pluribus-run
     makes one per job); without one, worker 0 makes one and shares it through the store.
+    ``shared_memory=False`` keeps large arrays between workers of one host on TCP too.
     """
     who = f"worker {name!r}"
     if not isinstance(name, str) or not name or len(name) > 128:
@@ -106,6 +108,7 @@ def init_rpc(
         max_message_bytes,
         listen_addr or listen_address(),
         bind_thread=_bind_thread,
+        shared_memory=shared_memory,
     )
     try:
         agent.join(deadline)

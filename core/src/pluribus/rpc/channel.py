@@ -36,7 +36,11 @@ class Channel:
         self.pending: dict[int, Future] = {}
         self.broken: str | None = None
         self._said_bye = False
-        self._reader = wire.FrameReader(sock, agent.max_message)
+        self._reader = wire.FrameReader(
+            sock,
+            agent.max_message,
+            lambda *locator: agent.open_segment(peer.id, *locator),
+        )
         self._role = threading.Lock()  # reading
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -52,17 +56,23 @@ class Channel:
         """Write a frame; with ``future``, a request whose reply will settle it (read by the
         caller in ``wait``, or by the channel's thread after ``want_reader``)."""
         description, pieces = body
-        if self.owed() and sum(p.nbytes for p in pieces) > 65536:
+        size = sum(p.nbytes for p in pieces)
+        segment = None
+        if kind == wire.REQUEST:
+            segment = self.agent.lend_segment(pieces, size, self.peer.id, wait=True)
+        if segment is None and self.owed() and size > 65536:
             # someone must read replies while this thread may block sending: a peer blocked
             # sending a large reply is not reading this request
             self.want_reader()
         with self.lock:
             if self.broken is not None:
+                if segment is not None:  # never sent: free to write again
+                    self.agent.segment_pool.give_back(segment[2], self.peer.id)
                 raise self.agent.gone_error(self.peer, self.broken)
             if future is not None:
                 self.pending[call_id] = future
             try:
-                wire.send_frame(self.sock, kind, call_id, description, pieces)
+                wire.send_frame(self.sock, kind, call_id, description, pieces, segment)
                 if kind == wire.REQUEST:
                     self._requests_sent += 1
             except OSError as exc:

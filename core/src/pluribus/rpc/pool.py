@@ -138,6 +138,7 @@ class HandlerPool:
                 except BaseException:  # a job reports its own errors; the thread must live on
                     pass
                 finally:
+                    job = None  # an idle thread must not keep the last call's arguments alive
                     self._cond.acquire()
                     self._active -= 1
                     self._busy -= 1

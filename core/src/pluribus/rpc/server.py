@@ -36,7 +36,11 @@ class ServerConnection:
         self.lock = threading.Lock()
         self.closed = False
         self.name = agent.workers[peer].name if peer < len(agent.workers) else str(peer)
-        self._reader = wire.FrameReader(sock, agent.max_message)
+        self._reader = wire.FrameReader(
+            sock,
+            agent.max_message,
+            lambda *locator: agent.open_segment(peer, *locator),
+        )
         self._role = threading.Lock()
         self._readers = itertools.count()
         self._reading = next(self._readers)  # which thread reads now
@@ -81,6 +85,9 @@ class ServerConnection:
         reader = self._reader
         try:
             while True:
+                # the last request's arrays (maybe a segment lent by the peer) must not live on
+                # while this thread waits for the next one
+                frame = heap = body = None
                 try:
                     frame = reader.read()
                 except wire.FrameError as exc:
@@ -104,7 +111,7 @@ class ServerConnection:
                     if not self._still_reader(token):
                         return  # another thread reads on; this one ran a handler
                 elif kind == wire.NOTE:
-                    note(self.agent, body)
+                    note(self.agent, self.peer, body)
         except OSError:
             pass
         self.close()
@@ -130,11 +137,15 @@ class ServerConnection:
         self._send(wire.REPLY, call_id, body)
 
     def _send(self, kind: int, call_id: int, body) -> None:
+        description, pieces = body
+        segment = self.agent.lend_segment(pieces, sum(p.nbytes for p in pieces), self.peer)
         with self.lock:
             if self.closed:
+                if segment is not None:
+                    self.agent.segment_pool.give_back(segment[2], self.peer)
                 return
             try:
-                wire.send_frame(self.sock, kind, call_id, *body)
+                wire.send_frame(self.sock, kind, call_id, description, pieces, segment)
             except OSError:
                 pass  # the caller is gone; its own side reports that
 
@@ -157,10 +168,14 @@ class ServerConnection:
         self.agent.forget_connection(self)
 
 
-def note(agent: Agent, body: Any) -> None:
-    """A note from a peer: a released reference."""
-    if isinstance(body, dict) and body.get("op") == "decref" and isinstance(body.get("rref"), str):
+def note(agent: Agent, peer: int, body: Any) -> None:
+    """A note from a peer: a released reference, or a segment it no longer views."""
+    if not isinstance(body, dict):
+        return
+    if body.get("op") == "decref" and isinstance(body.get("rref"), str):
         agent.table.decref(body["rref"])
+    elif body.get("op") == "segment-free" and type(body.get("serial")) is int:
+        agent.segment_pool.give_back(body["serial"], peer)
 
 
 def serve(

@@ -4,6 +4,9 @@ A frame is a fixed header (magic, kind, call id, description length, heap length
 description of its value (:mod:`pluribus.codec`) and the heap of raw pieces (array bytes) it
 points into. Arrays are written straight from their memory with ``sendmsg`` and read into one
 buffer that the decoded arrays then view, so a large array is never copied into an encoding.
+Between workers of one host a large heap travels in a shared-memory segment instead
+(:mod:`pluribus.rpc.segments`): the frame then carries the segment's descriptor number after
+its description, and its heap length is the segment's size.
 Every length is checked against its limit before a byte of the body is read.
 """
 
@@ -18,7 +21,11 @@ import numpy as np
 from .. import codec
 
 MAGIC = b"PRPC"
-HEADER = struct.Struct("<4sB3xQQQ")  # magic, kind, call id, description length, heap length
+HEADER = struct.Struct("<4sBB2xQQQ")  # magic, kind, flags, call id, description, heap length
+#: The flag of a frame whose heap is in a segment, located by the ``LOCATOR`` after the
+#: description.
+IN_SEGMENT = 1
+LOCATOR = struct.Struct("<QQQ")  # the segment's file descriptor (sender's), id and serial
 
 #: Frame kinds. A request is answered by a reply with the same call id; a note is not answered.
 REQUEST, REPLY, NOTE, BYE = 1, 2, 3, 4
@@ -37,15 +44,17 @@ class FrameError(ValueError):
     """Bytes that are not a well-formed frame: the connection that sent them is closed."""
 
 
-def parse_header(header: bytes, max_message: int) -> tuple[int, int, int, int]:
-    """(kind, call id, description length, heap length) of a frame header, checked."""
+def parse_header(header: bytes, max_message: int) -> tuple[int, int, int, int, int]:
+    """(kind, flags, call id, description length, heap length) of a frame header, checked."""
     if len(header) != HEADER.size:
         raise FrameError(f"a header of {len(header)} bytes, not {HEADER.size}")
-    magic, kind, call_id, description, heap = HEADER.unpack(header)
+    magic, kind, flags, call_id, description, heap = HEADER.unpack(header)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
     if kind not in KINDS:
         raise FrameError(f"unknown frame kind {kind}")
+    if flags & ~IN_SEGMENT or (flags and kind not in (REQUEST, REPLY)):
+        raise FrameError(f"flags {flags} on a frame of kind {kind}")
     if description > MAX_DESCRIPTION:
         raise FrameError(f"a description of {description} bytes (the limit is {MAX_DESCRIPTION})")
     if heap > max_message:
@@ -53,7 +62,7 @@ def parse_header(header: bytes, max_message: int) -> tuple[int, int, int, int]:
             f"a message of {heap} bytes (the limit is {max_message}; raise init_rpc's "
             "max_message_bytes on the receiver)"
         )
-    return kind, call_id, description, heap
+    return kind, flags, call_id, description, heap
 
 
 def decode_body(description: bytes, heap: Any, extension=None) -> Any:
@@ -88,13 +97,22 @@ def send_frame(
     call_id: int,
     description: bytes = b"",
     pieces: list[memoryview] | tuple = (),
+    segment: tuple[int, int, int] | None = None,
 ) -> None:
-    """Write one frame; the caller holds the connection's send lock."""
+    """Write one frame; the caller holds the connection's send lock. With ``segment`` (the
+    file descriptor, id and serial of a segment holding the pieces), only its locator follows the
+    description."""
     heap = sum(p.nbytes for p in pieces)
-    buffers = [memoryview(HEADER.pack(MAGIC, kind, call_id, len(description), heap))]
+    flags = 0 if segment is None else IN_SEGMENT
+    header = HEADER.pack(MAGIC, kind, flags, call_id, len(description), heap)
+    buffers = [memoryview(header)]
     if description:
         buffers.append(memoryview(description))
-    buffers.extend(p for p in pieces if p.nbytes)
+    if segment is None:
+        buffers.extend(p for p in pieces if p.nbytes)
+    else:
+        buffers.append(memoryview(LOCATOR.pack(*segment)))
+        heap = 0
     if heap < 65536:  # one small write beats sendmsg's bookkeeping
         sock.sendall(b"".join(buffers))
         return
@@ -109,11 +127,15 @@ def send_frame(
 
 class FrameReader:
     """Reads frames from one socket with as few system calls as possible: small frames come
-    out of one buffered ``recv``, large heaps are read straight into their own array."""
+    out of one buffered ``recv``, large heaps are read straight into their own array.
 
-    def __init__(self, sock: socket.socket, max_message: int):
+    ``open_segment(fd, segment id, serial, size)`` maps a segment the peer announces; without it a
+    segment frame is malformed."""
+
+    def __init__(self, sock: socket.socket, max_message: int, open_segment=None):
         self.sock = sock
         self.max_message = max_message
+        self.open_segment = open_segment
         self._buffer = bytearray(_BUFFER)
         self._view = memoryview(self._buffer)
         self._start = 0
@@ -150,7 +172,7 @@ class FrameReader:
             if self._end - self._start:
                 raise ConnectionError("the connection closed inside a message")
             return None
-        kind, call_id, description_size, heap_size = parse_header(
+        kind, flags, call_id, description_size, heap_size = parse_header(
             self._take(HEADER.size), self.max_message
         )
         description = b""
@@ -161,7 +183,17 @@ class FrameReader:
                 description = self._take(description_size)
             else:
                 description = bytes(self._read_into(np.empty(description_size, np.uint8)))
-        heap = self._read_into(np.empty(heap_size, dtype=np.uint8))
+        if not flags & IN_SEGMENT:
+            return kind, call_id, description, self._read_into(np.empty(heap_size, np.uint8))
+        if not self._fill(LOCATOR.size):
+            raise ConnectionError("the connection closed inside a message")
+        fd, segment_id, serial = LOCATOR.unpack(self._take(LOCATOR.size))
+        if self.open_segment is None or heap_size == 0 or fd > 2**31:
+            raise FrameError("a shared-memory segment from a peer that may not send one")
+        try:
+            heap = self.open_segment(fd, segment_id, serial, heap_size)
+        except ValueError as exc:
+            raise FrameError(str(exc)) from None
         return kind, call_id, description, heap
 
     def _read_into(self, target: np.ndarray) -> np.ndarray:
@@ -183,7 +215,9 @@ def recv_frame(sock: socket.socket, max_message: int) -> tuple[int, int, bytes, 
     header = _recv_exact(sock, HEADER.size, at_start=True)
     if header is None:
         return None
-    kind, call_id, description_size, heap_size = parse_header(header, max_message)
+    kind, flags, call_id, description_size, heap_size = parse_header(header, max_message)
+    if flags:
+        raise FrameError("a shared-memory segment where none is expected")
     description = _recv_exact(sock, description_size) if description_size else b""
     heap = np.frombuffer(_recv_exact(sock, heap_size), dtype=np.uint8) if heap_size else b""
     return kind, call_id, description, heap
