@@ -8,6 +8,12 @@ gathered from every rank, its bubble measured (the part of the step in which a r
 nothing, averaged over ranks) and simulated with the mean time of each (stage, action kind) of
 that same step. Writes ``results.json``, a Markdown table and one Perfetto file per schedule
 with the run and the prediction side by side.
+
+``--allocators default retain`` repeats everything in the same run with glibc's allocator as it
+comes and with it keeping freed memory (``retain``: no ``mmap`` per large temporary, no page
+faults when the next one is written), which changes what the forward and the input gradient
+cost against the weight gradient. ``--profile`` prints, in one process, the time of each layer
+kind's forward, input gradient and weight gradient on the split model.
 """
 
 from __future__ import annotations
@@ -36,28 +42,101 @@ def _config(args):
     )
 
 
+#: glibc settings per ``--allocators`` choice: ``retain`` serves every temporary from memory
+#: already faulted in instead of a fresh ``mmap`` (numpy frees its temporaries at once).
+ALLOCATORS = {
+    "default": {},
+    "retain": {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31)},
+}
+
+
+def _split_model(args, num_stages: int, rng):
+    """The model cut into ``num_stages`` parts, its loss, and one batch of ``rows`` rows."""
+    from pluribus import nn
+    from pluribus.parallel import pipeline as pp
+
+    if args.model == "gpt":
+        model = nn.GPT(_config(args), rng=0)
+        return model, pp.split_gpt(model, num_stages), nn.CrossEntropyLoss()
+    # Linear layers only: forward, input gradient and weight gradient cost one matmul each
+    c = args.embd
+    layers = [nn.Sequential(nn.Linear(c, c, rng=rng), nn.ReLU()) for _ in range(args.layers)]
+    model = nn.Sequential(*layers)
+    return model, pp.split_sequential(model, num_stages), nn.MSELoss()
+
+
+def profile_layers(args, num_stages: int, repeats: int = 10) -> dict:
+    """Milliseconds per micro-batch of each stage's F, I and W, and of each layer kind's
+    ``forward``, ``backward_input`` and ``backward_weight`` (summed over the model), run in
+    this process one stage after another."""
+    from collections import defaultdict
+
+    rng = np.random.default_rng(0)
+    model, parts, loss_fn = _split_model(args, num_stages, rng)
+    if args.model == "gpt":
+        x0 = rng.integers(0, 128, (args.microbatch, args.seq))
+        target = rng.integers(0, 128, (args.microbatch * args.seq,))
+    else:
+        x0 = rng.normal(size=(args.microbatch, args.embd)).astype(np.float32)
+        target = rng.normal(size=(args.microbatch, args.embd)).astype(np.float32)
+    per_layer: dict = defaultdict(float)
+    per_stage: dict = defaultdict(float)
+
+    def timed(key, fn, table):
+        def run(*a):
+            start = time.perf_counter()
+            out = fn(*a)
+            table[key] += time.perf_counter() - start
+            return out
+
+        return run
+
+    for part in parts:
+        for _, leaf in part.named_modules():
+            if not leaf._modules:
+                for method in ("forward", "backward_input", "backward_weight"):
+                    key = (type(leaf).__name__, method)
+                    object.__setattr__(leaf, method, timed(key, getattr(leaf, method), per_layer))
+    for i in range(repeats + 2):
+        if i == 2:  # two warm-up iterations
+            per_layer.clear()
+            per_stage.clear()
+        x = x0
+        for s, part in enumerate(parts):
+            x = timed((s, "F"), part.forward, per_stage)(x)
+        logits = x.reshape(-1, x.shape[-1]) if args.model == "gpt" else x
+        loss_fn.forward(logits, target)
+        g = loss_fn.backward().reshape(x.shape)
+        for s in reversed(range(num_stages)):
+            g = timed((s, "I"), parts[s].backward_input, per_stage)(g)
+        for s in reversed(range(num_stages)):
+            timed((s, "W"), parts[s].backward_weight, per_stage)()
+        model.zero_grad()
+    ms = 1e3 / repeats
+    return {
+        "stages": {f"{s}{k}": round(t * ms, 2) for (s, k), t in sorted(per_stage.items())},
+        "layers": {
+            f"{kind}.{method}": round(t * ms, 2)
+            for (kind, method), t in sorted(per_layer.items(), key=lambda kv: -kv[1])
+        },
+    }
+
+
 def run_schedule(name: str, m: int, steps: int, warmup: int, args_dict: dict):
     """On every rank: the schedule's step events, and this rank's activation ledger."""
     import pluribus as dist
-    from pluribus import nn
     from pluribus.parallel import pipeline as pp
 
     args = argparse.Namespace(**args_dict)
     p, rank = dist.get_world_size(), dist.get_rank()
     v = 2 if name == "Interleaved1F1B" else 1
     rng = np.random.default_rng(0)
+    model, parts, loss_fn = _split_model(args, p * v, rng)
     if args.model == "gpt":
-        model = nn.GPT(_config(args), rng=0)
-        parts = pp.split_gpt(model, p * v)
-        loss_fn = nn.CrossEntropyLoss()
         shape = (args.microbatch * m, args.seq)
         idx, tgt = rng.integers(0, 128, shape), rng.integers(0, 128, shape)
-    else:  # Linear layers only: forward, input gradient and weight gradient cost one matmul each
+    else:
         c = args.embd
-        layers = [nn.Sequential(nn.Linear(c, c, rng=rng), nn.ReLU()) for _ in range(args.layers)]
-        model = nn.Sequential(*layers)
-        parts = pp.split_sequential(model, p * v)
-        loss_fn = nn.MSELoss()
         idx = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
         tgt = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
     stages = [pp.PipelineStage(parts[s], s, p * v) for s in range(p * v) if s % p == rank]
@@ -137,6 +216,10 @@ def analyse(name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | 
     }
 
 
+def _profile_on_rank(num_stages: int, args_dict: dict) -> dict:
+    return profile_layers(argparse.Namespace(**args_dict), num_stages)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -152,6 +235,8 @@ def main() -> None:
     parser.add_argument("--embd", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=4, help="rows per micro-batch")
+    parser.add_argument("--allocators", nargs="+", choices=list(ALLOCATORS), default=["default"])
+    parser.add_argument("--profile", action="store_true", help="per-layer F, I, W times first")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -161,36 +246,57 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "bubble": [], "memory": []}
-    env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    for p in args.ranks:
-        with RankPool(p, "gloo", mode="processes", timeout=600, env=env) as pool:
-            m = args.m or 2 * p
-            for name in args.schedules:
-                result = pool.run(run_schedule, name, m, args.steps, args.warmup, vars(args))
-                row = analyse(name, p, m, result, args.out)
-                report["bubble"].append(row)
-                print(
-                    f"p={p} m={m} {name:16s} step {row['best_step']['step_s'] * 1e3:7.1f} ms  "
-                    f"bubble measured {row['median_measured_bubble']:.3f} predicted "
-                    f"{row['median_predicted_bubble']:.3f} (from mean costs "
-                    f"{row['median_predicted_bubble_mean_costs']:.3f})  costs (ms) "
-                    f"{row['best_step']['costs_ms']}",
-                    flush=True,
-                )
-            for name in ("GPipe", "1F1B", "ZeroBubble"):
-                for mm in args.memory_m:
-                    result = pool.run(run_schedule, name, mm, 1, 1, vars(args))
-                    peaks = [r["steps"][0]["peak_bytes"] for r in result]
-                    counts = [r["steps"][0]["peak_microbatches"] for r in result]
-                    report["memory"].append(
-                        {"schedule": name, "p": p, "m": mm, "peak_bytes": peaks, "peak_mb": counts}
-                    )
+    report = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "profile": [],
+        "bubble": [],
+        "memory": [],
+    }
+    for allocator in args.allocators:
+        env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **ALLOCATORS[allocator]}
+        if args.profile:
+            with RankPool(1, "gloo", mode="processes", timeout=600, env=env) as pool:
+                for p in args.ranks:
+                    (times,) = pool.run(_profile_on_rank, p, vars(args))
+                    report["profile"].append({"allocator": allocator, "p": p, **times})
+                    print(f"[{allocator}] p={p} ms per micro-batch: {times}", flush=True)
+        for p in args.ranks:
+            with RankPool(p, "gloo", mode="processes", timeout=600, env=env) as pool:
+                m = args.m or 2 * p
+                for name in args.schedules:
+                    result = pool.run(run_schedule, name, m, args.steps, args.warmup, vars(args))
+                    row = {"allocator": allocator, **analyse(name, p, m, result, args.out)}
+                    report["bubble"].append(row)
                     print(
-                        f"p={p} m={mm:2d} {name:10s} peak activations per rank "
-                        f"{[round(b / 2**20, 2) for b in peaks]} MiB, micro-batches {counts}",
+                        f"[{allocator}] p={p} m={m} {name:16s} step "
+                        f"{row['best_step']['step_s'] * 1e3:7.1f} ms  bubble measured "
+                        f"{row['median_measured_bubble']:.3f} predicted "
+                        f"{row['median_predicted_bubble']:.3f} (from mean costs "
+                        f"{row['median_predicted_bubble_mean_costs']:.3f})  costs (ms) "
+                        f"{row['best_step']['costs_ms']}",
                         flush=True,
                     )
+                for name in ("GPipe", "1F1B", "ZeroBubble") if args.memory_m else ():
+                    for mm in args.memory_m:
+                        result = pool.run(run_schedule, name, mm, 1, 1, vars(args))
+                        peaks = [r["steps"][0]["peak_bytes"] for r in result]
+                        counts = [r["steps"][0]["peak_microbatches"] for r in result]
+                        report["memory"].append(
+                            {
+                                "allocator": allocator,
+                                "schedule": name,
+                                "p": p,
+                                "m": mm,
+                                "peak_bytes": peaks,
+                                "peak_mb": counts,
+                            }
+                        )
+                        print(
+                            f"[{allocator}] p={p} m={mm:2d} {name:10s} peak activations per "
+                            f"rank {[round(b / 2**20, 2) for b in peaks]} MiB, micro-batches "
+                            f"{counts}",
+                            flush=True,
+                        )
     if args.out:
         (args.out / "results.json").write_text(json.dumps(report, indent=1))
 
