@@ -163,7 +163,30 @@ def run_schedule(name: str, m: int, steps: int, warmup: int, args_dict: dict):
     return {"program": str(schedule.program), "steps": out}
 
 
-def analyse(name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | None):
+def idle_breakdown(events) -> dict:
+    """Where the non-compute part of a step went, as fractions of the step averaged over ranks:
+    inside receives (waiting for a message, and reading it), inside sends, and between actions
+    (the runtime's own bookkeeping, plus the start and end of the step on each rank)."""
+    from pluribus.parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
+
+    start, end = min(e.start for e in events), max(e.end for e in events)
+    ranks = sorted({e.rank for e in events})
+    parts = {"recv": 0.0, "send": 0.0, "between": 0.0}
+    for r in ranks:
+        mine = sorted((e for e in events if e.rank == r), key=lambda e: e.start)
+        inside = sum(e.end - e.start for e in mine)
+        parts["between"] += (end - start) - inside
+        for e in mine:
+            if e.action.kind in (RECV_F, RECV_B):
+                parts["recv"] += e.end - e.start
+            elif e.action.kind in (SEND_F, SEND_B):
+                parts["send"] += e.end - e.start
+    return {k: v / ((end - start) * len(ranks)) for k, v in parts.items()}
+
+
+def analyse(
+    name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | None, label: str = ""
+):
     from pluribus.parallel import pipeline as pp
     from pluribus.parallel.pipeline.simulator import Event
 
@@ -187,13 +210,14 @@ def analyse(name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | 
                 "predicted_bubble": predicted.bubble,
                 "predicted_step_s": predicted.step_time,
                 "predicted_bubble_mean_costs": from_means.bubble,
+                "idle": idle_breakdown(events),
                 "peak_bytes": [r["steps"][k]["peak_bytes"] for r in result_per_rank],
                 "peak_microbatches": [r["steps"][k]["peak_microbatches"] for r in result_per_rank],
             }
         )
         if trace_dir is not None and k == len(result_per_rank[0]["steps"]) - 1:
             pp.write_trace(
-                trace_dir / f"pipeline-{name}-p{p}-m{m}.json",
+                trace_dir / f"pipeline-{name}-p{p}-m{m}{label}.json",
                 {"measured": events, "predicted": predicted.events},
             )
     best = min(rows, key=lambda r: r["step_s"])  # the least disturbed step on a shared machine
@@ -213,6 +237,7 @@ def analyse(name: str, p: int, m: int, result_per_rank: list, trace_dir: Path | 
             r["predicted_bubble_mean_costs"] for r in rows
         ),
         "best_step": best,
+        "median_idle": {k: statistics.median(r["idle"][k] for r in rows) for k in rows[0]["idle"]},
     }
 
 
@@ -265,14 +290,16 @@ def main() -> None:
                 m = args.m or 2 * p
                 for name in args.schedules:
                     result = pool.run(run_schedule, name, m, args.steps, args.warmup, vars(args))
-                    row = {"allocator": allocator, **analyse(name, p, m, result, args.out)}
+                    label = "" if allocator == "default" else f"-{allocator}"
+                    row = {"allocator": allocator, **analyse(name, p, m, result, args.out, label)}
                     report["bubble"].append(row)
                     print(
                         f"[{allocator}] p={p} m={m} {name:16s} step "
                         f"{row['best_step']['step_s'] * 1e3:7.1f} ms  bubble measured "
                         f"{row['median_measured_bubble']:.3f} predicted "
                         f"{row['median_predicted_bubble']:.3f} (from mean costs "
-                        f"{row['median_predicted_bubble_mean_costs']:.3f})  costs (ms) "
+                        f"{row['median_predicted_bubble_mean_costs']:.3f}) idle in recv/send/"
+                        f"between {[round(v, 3) for v in row['median_idle'].values()]}  costs (ms) "
                         f"{row['best_step']['costs_ms']}",
                         flush=True,
                     )
