@@ -122,45 +122,51 @@ def profile_layers(args, num_stages: int, repeats: int = 10) -> dict:
     }
 
 
-def run_schedule(name: str, m: int, steps: int, warmup: int, args_dict: dict):
-    """On every rank: the schedule's step events, and this rank's activation ledger."""
+def run_schedules(names: list[str], m: int, steps: int, warmup: int, args_dict: dict) -> dict:
+    """On every rank: each schedule's step events and this rank's activation ledger. The
+    schedules take turns step by step (each on its own copy of the model), so their k-th
+    steps ran under the same load of a shared machine and can be compared pairwise."""
     import pluribus as dist
     from pluribus.parallel import pipeline as pp
 
     args = argparse.Namespace(**args_dict)
     p, rank = dist.get_world_size(), dist.get_rank()
-    v = 2 if name == "Interleaved1F1B" else 1
-    rng = np.random.default_rng(0)
-    model, parts, loss_fn = _split_model(args, p * v, rng)
-    if args.model == "gpt":
-        shape = (args.microbatch * m, args.seq)
-        idx, tgt = rng.integers(0, 128, shape), rng.integers(0, 128, shape)
-    else:
-        c = args.embd
-        idx = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
-        tgt = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
-    stages = [pp.PipelineStage(parts[s], s, p * v) for s in range(p * v) if s % p == rank]
-    schedule = pp.SCHEDULE_CLASSES[name](stages, m, loss_fn)
-    out = []
+    runs = {}
+    for name in names:
+        v = 2 if name == "Interleaved1F1B" else 1
+        rng = np.random.default_rng(0)
+        model, parts, loss_fn = _split_model(args, p * v, rng)
+        if args.model == "gpt":
+            shape = (args.microbatch * m, args.seq)
+            idx, tgt = rng.integers(0, 128, shape), rng.integers(0, 128, shape)
+        else:
+            c = args.embd
+            idx = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
+            tgt = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
+        stages = [pp.PipelineStage(parts[s], s, p * v) for s in range(p * v) if s % p == rank]
+        schedule = pp.SCHEDULE_CLASSES[name](stages, m, loss_fn)
+        runs[name] = (model, stages, schedule, idx, tgt)
+    out: dict[str, list] = {name: [] for name in names}
     for i in range(warmup + steps):
-        for s in stages:
-            s.reset_peak()
-        dist.barrier()
-        start = time.perf_counter()
-        schedule.step(idx, target=tgt)
-        wall = time.perf_counter() - start
-        model.zero_grad()
-        events = pp.gather_events(schedule)
-        if i >= warmup:
-            out.append(
-                {
-                    "events": [(e.rank, str(e.action), e.start, e.end) for e in events],
-                    "wall": wall,
-                    "peak_bytes": sum(s.peak_activation_bytes for s in stages),
-                    "peak_microbatches": max(s.peak_microbatches for s in stages),
-                }
-            )
-    return {"program": str(schedule.program), "steps": out}
+        for name, (model, stages, schedule, idx, tgt) in runs.items():
+            for s in stages:
+                s.reset_peak()
+            dist.barrier()
+            start = time.perf_counter()
+            schedule.step(idx, target=tgt)
+            wall = time.perf_counter() - start
+            model.zero_grad()
+            events = pp.gather_events(schedule)
+            if i >= warmup:
+                out[name].append(
+                    {
+                        "events": [(e.rank, str(e.action), e.start, e.end) for e in events],
+                        "wall": wall,
+                        "peak_bytes": sum(s.peak_activation_bytes for s in stages),
+                        "peak_microbatches": max(s.peak_microbatches for s in stages),
+                    }
+                )
+    return {name: {"steps": out[name]} for name in names}
 
 
 def idle_breakdown(events) -> dict:
@@ -275,6 +281,7 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "profile": [],
         "bubble": [],
+        "zb_over_1f1b": [],
         "memory": [],
     }
     for allocator in args.allocators:
@@ -288,10 +295,15 @@ def main() -> None:
         for p in args.ranks:
             with RankPool(p, "gloo", mode="processes", timeout=600, env=env) as pool:
                 m = args.m or 2 * p
+                per_rank = pool.run(
+                    run_schedules, args.schedules, m, args.steps, args.warmup, vars(args)
+                )
+                rows = {}
                 for name in args.schedules:
-                    result = pool.run(run_schedule, name, m, args.steps, args.warmup, vars(args))
+                    result = [r[name] for r in per_rank]
                     label = "" if allocator == "default" else f"-{allocator}"
                     row = {"allocator": allocator, **analyse(name, p, m, result, args.out, label)}
+                    rows[name] = row
                     report["bubble"].append(row)
                     print(
                         f"[{allocator}] p={p} m={m} {name:16s} step "
@@ -303,11 +315,23 @@ def main() -> None:
                         f"{row['best_step']['costs_ms']}",
                         flush=True,
                     )
+                if "ZeroBubble" in rows and "1F1B" in rows:
+                    pairs = zip(rows["ZeroBubble"]["steps"], rows["1F1B"]["steps"], strict=True)
+                    ratios = [z["measured_bubble"] / o["measured_bubble"] for z, o in pairs]
+                    report["zb_over_1f1b"].append(
+                        {"allocator": allocator, "p": p, "m": m, "per_step": ratios}
+                    )
+                    print(
+                        f"[{allocator}] p={p} m={m} ZeroBubble / 1F1B measured bubble, step by "
+                        f"step: median {statistics.median(ratios):.2f}, "
+                        f"{[round(x, 2) for x in ratios]}",
+                        flush=True,
+                    )
                 for name in ("GPipe", "1F1B", "ZeroBubble") if args.memory_m else ():
                     for mm in args.memory_m:
-                        result = pool.run(run_schedule, name, mm, 1, 1, vars(args))
-                        peaks = [r["steps"][0]["peak_bytes"] for r in result]
-                        counts = [r["steps"][0]["peak_microbatches"] for r in result]
+                        result = pool.run(run_schedules, [name], mm, 1, 1, vars(args))
+                        peaks = [r[name]["steps"][0]["peak_bytes"] for r in result]
+                        counts = [r[name]["steps"][0]["peak_microbatches"] for r in result]
                         report["memory"].append(
                             {
                                 "allocator": allocator,
