@@ -3,7 +3,9 @@ prediction from the measured per-action times, and the activation ledger of GPip
 
     python benchmarks/pipeline_bubble.py --ranks 2 4 --out benchmarks/results/pipeline-<stamp>
 
-For each schedule: warm-up steps, then ``--steps`` measured steps; each step's events are
+The schedules take turns, one step each, so that their k-th steps ran under the same load and
+ZeroBubble's bubble is compared with 1F1B's step by step. For each schedule: warm-up steps, then
+``--steps`` measured steps; each step's events are
 gathered from every rank, its bubble measured (the part of the step in which a rank computes
 nothing, averaged over ranks) and simulated with the mean time of each (stage, action kind) of
 that same step. Writes ``results.json``, a Markdown table and one Perfetto file per schedule
