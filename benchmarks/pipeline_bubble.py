@@ -206,6 +206,8 @@ def analyse(
         run = pp.measured(events)
         latency = pp.message_latency(events, program)
         predicted = pp.simulate(program, pp.action_costs(events, per_action=True), latency)
+        each_latency = pp.message_latency(events, program, per_message=True)
+        per_message = pp.simulate(program, pp.action_costs(events, per_action=True), each_latency)
         from_means = pp.simulate(program, pp.action_costs(events), latency)
         cost = pp.action_costs(events)
         kinds = {(e.action.stage, e.action.kind): e.action for e in events if e.action.is_compute}
@@ -218,6 +220,7 @@ def analyse(
                 "predicted_bubble": predicted.bubble,
                 "predicted_step_s": predicted.step_time,
                 "predicted_bubble_mean_costs": from_means.bubble,
+                "predicted_bubble_per_message": per_message.bubble,
                 "idle": idle_breakdown(events),
                 "peak_bytes": [r["steps"][k]["peak_bytes"] for r in result_per_rank],
                 "peak_microbatches": [r["steps"][k]["peak_microbatches"] for r in result_per_rank],
@@ -240,6 +243,11 @@ def analyse(
         # per step |measured - predicted| / predicted, then the median over steps
         "median_relative_difference": statistics.median(
             abs(r["measured_bubble"] - r["predicted_bubble"]) / r["predicted_bubble"] for r in rows
+        ),
+        "median_relative_difference_per_message": statistics.median(
+            abs(r["measured_bubble"] - r["predicted_bubble_per_message"])
+            / r["predicted_bubble_per_message"]
+            for r in rows
         ),
         "median_predicted_bubble_mean_costs": statistics.median(
             r["predicted_bubble_mean_costs"] for r in rows
@@ -311,7 +319,8 @@ def main() -> None:
                         f"[{allocator}] p={p} m={m} {name:16s} step "
                         f"{row['best_step']['step_s'] * 1e3:7.1f} ms  bubble measured "
                         f"{row['median_measured_bubble']:.3f} predicted "
-                        f"{row['median_predicted_bubble']:.3f} (from mean costs "
+                        f"{row['median_predicted_bubble']:.3f} (each message's latency: off by "
+                        f"{row['median_relative_difference_per_message']:.0%}; from mean costs "
                         f"{row['median_predicted_bubble_mean_costs']:.3f}) idle in recv/send/"
                         f"between {[round(v, 3) for v in row['median_idle'].values()]}  costs (ms) "
                         f"{row['best_step']['costs_ms']}",
