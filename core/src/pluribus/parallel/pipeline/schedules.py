@@ -276,7 +276,8 @@ def zero_bubble(
     ``W``s for your model. The policy cannot see a gradient coming, so under uneven costs it may
     start a ``W`` just before an ``I`` could run and delay the whole chain behind that ``I``;
     the order it builds at unit costs leaves no such gap whenever ``W`` is no longer than ``F``
-    and ``I``. So both orders are simulated with ``costs`` and the shorter step is kept.
+    and ``I`` and ``m >= p`` (each rank then idles exactly ``(p - 1)(F + I - W)``, which the
+    tests check). So both orders are simulated with ``costs`` and the shorter step is kept.
     """
     _check_sizes("ZeroBubble", num_ranks, num_microbatches)
     cost = {F: 1.0, I: 1.0, W: 1.0, **(costs or {})}
