@@ -5,16 +5,17 @@ prediction from the measured per-action times, and the activation ledger of GPip
 
 The schedules take turns, one step each, so that their k-th steps ran under the same load and
 ZeroBubble's bubble is compared with 1F1B's step by step. For each schedule: warm-up steps, then
-``--steps`` measured steps; each step's events are
-gathered from every rank, its bubble measured (the part of the step in which a rank computes
-nothing, averaged over ranks) and simulated with the mean time of each (stage, action kind) of
-that same step. Writes ``results.json``, a Markdown table and one Perfetto file per schedule
-with the run and the prediction side by side.
+``--steps`` measured steps; each step's events are gathered from every rank, its bubble
+measured (the part of the step in which a rank computes nothing, averaged over ranks) and
+simulated from that same step's action times, with one median message latency and with each
+message's own; the idle part is split into receives, sends and the gaps between actions.
+Writes ``results.json`` and one Perfetto file per schedule with the run and the prediction side
+by side.
 
 ``--allocators default retain`` repeats everything in the same run with glibc's allocator as it
-comes and with it keeping freed memory (``retain``: no ``mmap`` per large temporary, no page
-faults when the next one is written), which changes what the forward and the input gradient
-cost against the weight gradient. ``--profile`` prints, in one process, the time of each layer
+comes and with it keeping freed memory (``retain``: no ``mmap`` per large temporary), to see
+whether page faults on numpy's temporaries make the forward and the input gradient costlier
+against the weight gradient. ``--profile`` prints, in one process, the time of each layer
 kind's forward, input gradient and weight gradient on the split model.
 """
 
