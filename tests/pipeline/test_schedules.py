@@ -184,3 +184,23 @@ def test_zero_bubble_ordered_for_any_costs_is_valid_and_keeps_the_memory_limits(
     sim = simulate(program, costs)  # runs the checker
     assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
     assert all(k <= 2 * p - r - 1 for r, k in enumerate(sim.peak_waiting_w))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    p=st.integers(2, 8),
+    extra=st.integers(0, 12),
+    f=st.integers(1, 6),
+    i=st.integers(1, 6),
+    data=st.data(),
+)
+def test_zero_bubble_for_measured_costs_leaves_exactly_the_zb_h1_bubble(p, extra, f, i, data):
+    """With W no longer than F and I, every rank idles (p - 1)(F + I - W): the Ws fill the rest
+    of 1F1B's (p - 1)(F + I + W). Integer costs keep the simulated times exact."""
+    w = data.draw(st.integers(1, min(f, i)))
+    m = p + extra
+    costs = {"F": f, "I": i, "W": w}
+    zb = simulate(build("ZeroBubble", p, m, costs=costs), costs)
+    one_f_one_b = simulate(build("1F1B", p, m), {"F": f, "B": i + w})
+    assert zb.step_time == m * (f + i + w) + (p - 1) * (f + i - w)
+    assert one_f_one_b.step_time == m * (f + i + w) + (p - 1) * (f + i + w)

@@ -6,6 +6,7 @@ import json
 import pytest
 from pipeline_cases import traced_step_on_rank
 from pluribus.parallel import pipeline as pp
+from pluribus.parallel.pipeline.simulator import Event
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,3 +53,27 @@ def test_activation_ledger_1f1b_stays_at_p_while_gpipe_grows_with_m(m):
     # bytes: every micro-batch holds the same activations
     for rank in range(p):
         assert gpipe[rank][2] == m * one_f[rank][2] / min(p - rank, m)
+
+
+def test_each_messages_own_latency_is_read_from_a_run_and_replayed_by_the_simulator():
+    """GPipe on 2 ranks, 1 micro-batch, unit costs, as the runtime records it (a receive spans
+    its wait): the activation takes 3 after its send, the gradient 0.5. Each message's own
+    latency gives back the run's step; the one median latency does not."""
+    program = pp.build("GPipe", 2, 1)
+    timeline = {
+        0: [("0F0", 0, 1), ("0SEND_F0", 1, 1), ("0RECV_B0", 1, 7.5), ("0B0", 7.5, 9.5)],
+        1: [("1RECV_F0", 0, 4), ("1F0", 4, 5), ("1B0", 5, 7), ("1SEND_B0", 7, 7)],
+    }
+    events = [
+        Event(rank, pp.Action.parse(a), start, end)
+        for rank, actions in timeline.items()
+        for a, start, end in actions
+    ]
+    assert [e.action for e in events if e.rank == 1] == program.actions[1]
+    each = pp.message_latency(events, program, per_message=True)
+    receives = [a for acts in program.actions for a in acts if a.kind.startswith("RECV")]
+    assert {str(a): each(a) for a in receives} == {"1RECV_F0": 3.0, "0RECV_B0": 0.5}
+    assert pp.message_latency(events, program) == 1.75  # the median of the two
+    assert pp.measured(events).step_time == 9.5
+    assert pp.simulate(program, comm=each).step_time == 9.5
+    assert pp.simulate(program, comm=1.75).step_time == 9.5 - 3.0 - 0.5 + 2 * 1.75

@@ -273,13 +273,29 @@ def zero_bubble(
     running that policy on a clock: an ``I`` when its gradient is there, else a forward when its
     input is there and the limits allow, else the oldest pending ``W``. ``costs`` (``F``, ``I``,
     ``W``; unit costs by default) are the durations it assumes: pass measured ones to order the
-    ``W``s for your model.
+    ``W``s for your model. The policy cannot see a gradient coming, so under uneven costs it may
+    start a ``W`` just before an ``I`` could run and delay the whole chain behind that ``I``;
+    the order it builds at unit costs leaves no such gap whenever ``W`` is no longer than ``F``
+    and ``I`` and ``m >= p`` (each rank then idles exactly ``(p - 1)(F + I - W)``, which the
+    tests check). So both orders are simulated with ``costs`` and the shorter step is kept.
     """
     _check_sizes("ZeroBubble", num_ranks, num_microbatches)
-    p, m = num_ranks, num_microbatches
     cost = {F: 1.0, I: 1.0, W: 1.0, **(costs or {})}
     if any(cost[k] <= 0 for k in (F, I, W)):
         raise ValueError(f"ZeroBubble: costs must be positive, got {dict(costs or {})}")
+    program = _zero_bubble_order(num_ranks, num_microbatches, cost)
+    if costs is None:
+        return program
+    from .simulator import simulate  # the simulator imports this module
+
+    unit_order = _zero_bubble_order(num_ranks, num_microbatches, {F: 1.0, I: 1.0, W: 1.0})
+    if simulate(unit_order, cost).step_time < simulate(program, cost).step_time:
+        return unit_order
+    return program
+
+
+def _zero_bubble_order(p: int, m: int, cost: Mapping[str, float]) -> Program:
+    """ZB-H1's policy (see :func:`zero_bubble`) run on a clock with durations ``cost``."""
     never = float("inf")
     lists: list[list[Action]] = [[] for _ in range(p)]
     f_end = [[never] * m for _ in range(p)]  # when each forward ends

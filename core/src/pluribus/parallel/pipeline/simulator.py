@@ -69,12 +69,16 @@ def _cost_function(costs: Costs | None) -> Callable[[int, Action], float]:
     return lambda rank, action: table.get(action.kind, 0.0)
 
 
-def simulate(program: Program, costs: Costs | None = None, comm: float = 0.0) -> Simulation:
+def simulate(
+    program: Program, costs: Costs | None = None, comm: float | Callable[[Action], float] = 0.0
+) -> Simulation:
     """Run ``program`` on a clock. ``costs`` maps kinds to durations (missing kinds take
     :data:`UNIT_COSTS`, sends and receives 0; ``B`` defaults to ``I + W``) or is
     ``costs(rank, action)``; a send costs its sender that long, a receive its receiver that
-    long after the message arrived. ``comm`` is the time from send to arrival."""
+    long after the message arrived. ``comm`` is the time from send to arrival, the same for
+    every message or ``comm(receive_action)`` for each."""
     cost = _cost_function(costs)
+    latency = comm if callable(comm) else (lambda action: comm)
     order = check(program)
     finish: dict[tuple[int, int], float] = {}
     sent_at: dict[tuple[int, Action], float] = {}
@@ -87,7 +91,7 @@ def simulate(program: Program, costs: Costs | None = None, comm: float = 0.0) ->
         a = program.actions[rank][index]
         start = clock[rank]
         if a.kind in (RECV_F, RECV_B):
-            start = max(start, sent_at[sender_of(program, a)] + comm)
+            start = max(start, sent_at[sender_of(program, a)] + latency(a))
         duration = float(cost(rank, a))
         if a.is_compute:
             busy[rank] += duration

@@ -78,18 +78,25 @@ def action_costs(
     return lambda rank, action: cost[(action.stage, action.kind)]
 
 
-def message_latency(events: Iterable[Event], program: Program) -> float:
+def message_latency(
+    events: Iterable[Event], program: Program, per_message: bool = False
+) -> float | Callable[[Action], float]:
     """The median time from a send's end to its receive's end, over the receives that were
-    already waiting when the message was sent: ``comm`` for the simulator (0 if none waited)."""
+    already waiting when the message was sent: ``comm`` for the simulator (0 if none waited).
+    With ``per_message``, ``comm(receive_action)``: each of those receives' own time, the
+    median for the others (whose wait the run does not show)."""
     events = list(events)
     by_action = {(e.rank, e.action): e for e in events}
-    transits = []
+    transits: dict[Action, float] = {}
     for e in events:
         if e.action.kind in (RECV_F, RECV_B):
             send = by_action.get(sender_of(program, e.action))
             if send is not None and e.start <= send.end:
-                transits.append(e.end - send.end)
-    return statistics.median(transits) if transits else 0.0
+                transits[e.action] = e.end - send.end
+    median = statistics.median(transits.values()) if transits else 0.0
+    if per_message:
+        return lambda action: transits.get(action, median)
+    return median
 
 
 def perfetto(timelines: Mapping[str, Iterable[Event]], unit_seconds: float = 1.0) -> dict:
