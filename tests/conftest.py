@@ -1,8 +1,11 @@
 """Fixtures of the repository-level tests. Being a conftest in a folder without
 ``__init__.py``, it also puts ``tests/`` on ``sys.path`` (pytest's rule), so that the tests in its
-subfolders can import ``example_scripts``."""
+subfolders can import ``example_scripts`` and ``mpi_jobs``."""
+
+import os
 
 import pytest
+from pluribus.testing import RankPool, require_backend
 
 
 @pytest.fixture
@@ -15,3 +18,17 @@ def one_blas_thread():
         return
     with threadpool_limits(limits=1):
         yield
+
+
+@pytest.fixture(scope="module")
+def mpi_job():
+    """This process as its rank of the mpiexec job, in a one-rank pool on the mpi backend."""
+    require_backend("mpi")
+    if "RANK" not in os.environ:
+        # rank and size from MPI, for cores whose init_process_group does not read them itself
+        from pluribus_mpi import setup_env
+
+        setup_env()
+    pool = RankPool(1, "mpi", mode="inplace", timeout=120)
+    yield pool
+    pool.close()

@@ -5,14 +5,13 @@ mapped it)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
+import mpi_jobs
 import pytest
 
 JOB = """
@@ -35,25 +34,17 @@ for _ in range(1000000):
 """
 
 
-def _mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec: pip install mpich")
-    return found
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("victim", [2, 0, 3])
 def test_a_killed_rank_leaves_no_shared_memory_segment(tmp_path, victim):
-    if os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK"):
+    if mpi_jobs.under_mpiexec():
         pytest.skip("starts its own MPI job")
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
     start = time.monotonic()
     proc = subprocess.Popen(
-        [_mpiexec(), "-n", "4", sys.executable, str(script), str(tmp_path), str(victim)],
+        [mpi_jobs.mpiexec(), "-n", "4", sys.executable, str(script), str(tmp_path), str(victim)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -108,14 +99,14 @@ pb.destroy_process_group()
 
 @pytest.mark.timeout(90)
 def test_detail_catches_dtype_op_and_root_mismatches_on_mpi(tmp_path):
-    if os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK"):
+    if mpi_jobs.under_mpiexec():
         pytest.skip("starts its own MPI job")
     script = tmp_path / "mismatch.py"
     script.write_text(textwrap.dedent(MISMATCH))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
     env["PLURIBUS_DEBUG"] = "DETAIL"
     done = subprocess.run(
-        [_mpiexec(), "-n", "4", sys.executable, str(script)],
+        [mpi_jobs.mpiexec(), "-n", "4", sys.executable, str(script)],
         capture_output=True,
         text=True,
         env=env,

@@ -4,7 +4,6 @@ pluribus-run (env:// and the job's secret) and by mpiexec (the mpi plugin's rend
 
 import multiprocessing
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import textwrap
 import time
 import traceback
 
+import mpi_jobs
 import numpy as np
 import pluribus
 import pytest
@@ -227,9 +227,9 @@ def test_a_job_started_by_pluribus_run_uses_its_rendezvous_and_secret(tmp_path):
 
 
 def test_a_job_started_by_mpiexec_finds_its_workers_through_mpi(tmp_path):
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None or not pluribus.is_available("mpi"):
-        pytest.skip("needs mpiexec and the mpi plugin (pip install 'pluribus[mpi]' mpich)")
+    if not pluribus.is_available("mpi"):
+        pytest.skip("needs the mpi plugin (pip install 'pluribus[mpi]' mpich)")
+    mpiexec = mpi_jobs.mpiexec()
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent(
