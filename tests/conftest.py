@@ -32,3 +32,20 @@ def mpi_job():
     pool = RankPool(1, "mpi", mode="inplace", timeout=120)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def process_pools():
+    """``process_pools(backend, world)``: a pool of ``world`` rank processes on ``backend``,
+    started once per module and reused by its tests (starting ranks costs seconds)."""
+    made: dict = {}
+
+    def get(backend: str, world: int) -> RankPool:
+        require_backend(backend)
+        if (backend, world) not in made:
+            made[(backend, world)] = RankPool(world, backend, mode="processes", timeout=120)
+        return made[(backend, world)]
+
+    yield get
+    for pool in made.values():
+        pool.close()

@@ -15,7 +15,6 @@ from ddp_cases import (
     reference_gpt_train,
     reference_train,
 )
-from pluribus.testing import RankPool, require_backend
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -23,35 +22,24 @@ SMALL_BUCKETS_MB = 4096 / 2**20
 BACKENDS = ["gloo", "ucc", "storebackend"]
 
 
-@pytest.fixture(scope="module")
-def pools():
-    made: dict = {}
-
-    def get(backend, world):
-        require_backend(backend)
-        if (backend, world) not in made:
-            made[(backend, world)] = RankPool(world, backend, mode="processes", timeout=120)
-        return made[(backend, world)]
-
-    yield get
-    for pool in made.values():
-        pool.close()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("accum", [1, 2], ids=["sync-every-step", "no_sync-accumulation"])
-def test_ddp_processes_equal_single_process_on_concatenated_batch(pools, backend, world, accum):
+def test_ddp_processes_equal_single_process_on_concatenated_batch(
+    process_pools, backend, world, accum
+):
     per_rank, steps = 8, 3
-    results = pools(backend, world).run(ddp_train_on_rank, per_rank, steps, accum, SMALL_BUCKETS_MB)
+    results = process_pools(backend, world).run(
+        ddp_train_on_rank, per_rank, steps, accum, SMALL_BUCKETS_MB
+    )
     assert results[0]["buckets"] >= 3
     check_matches_reference(results, world, per_rank, steps, accum)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_syncbatchnorm_processes_equal_batchnorm_on_full_batch(pools, backend):
+def test_syncbatchnorm_processes_equal_batchnorm_on_full_batch(process_pools, backend):
     world, per_rank, steps = 2, 6, 3
-    results = pools(backend, world).run(
+    results = process_pools(backend, world).run(
         ddp_train_on_rank, per_rank, steps, 1, SMALL_BUCKETS_MB, None, True
     )
     check_matches_reference(
@@ -61,11 +49,11 @@ def test_syncbatchnorm_processes_equal_batchnorm_on_full_batch(pools, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("hook, tolerance", [("fp16", 2e-4), ("bf16", 1e-3)])
-def test_compression_hooks_processes_stay_within_tolerance(pools, backend, hook, tolerance):
+def test_compression_hooks_processes_stay_within_tolerance(process_pools, backend, hook, tolerance):
     """Same stated tolerance as on threads: every parameter within ``tolerance`` of the
     full-precision single-process run after 6 steps."""
     world, per_rank, steps = 2, 16, 6
-    results = pools(backend, world).run(
+    results = process_pools(backend, world).run(
         ddp_train_on_rank, per_rank, steps, 1, SMALL_BUCKETS_MB, hook
     )
     reference = reference_train(world, per_rank, steps, 1)
@@ -73,11 +61,11 @@ def test_compression_hooks_processes_stay_within_tolerance(pools, backend, hook,
     assert 0 < worst < tolerance
 
 
-def test_gpt_under_ddp_on_gloo_equals_one_process_on_the_whole_batch(pools):
+def test_gpt_under_ddp_on_gloo_equals_one_process_on_the_whole_batch(process_pools):
     """Float64, tied head (a gradient that arrives twice), several buckets with overlap: the
     mean of the ranks' losses is the whole batch's loss at every step, to round-off."""
     world, per_rank, steps = 2, 3, 4
-    results = pools("gloo", world).run(ddp_gpt_train_on_rank, per_rank, steps, 8192 / 2**20)
+    results = process_pools("gloo", world).run(ddp_gpt_train_on_rank, per_rank, steps, 8192 / 2**20)
     assert results[0]["buckets"] >= 3
     expected = reference_gpt_train(world, per_rank, steps)
     ddp_losses = np.mean([r["losses"] for r in results], axis=0)

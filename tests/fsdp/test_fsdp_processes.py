@@ -3,24 +3,8 @@ which shows FSDP needs nothing but the public collectives): the same parity as o
 
 import pytest
 from fsdp_cases import check_matches_reference, fsdp_train_on_rank, reference_train
-from pluribus.testing import RankPool, require_backend
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made: dict = {}
-
-    def get(backend, world):
-        require_backend(backend)
-        if (backend, world) not in made:
-            made[(backend, world)] = RankPool(world, backend, mode="processes", timeout=120)
-        return made[(backend, world)]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 @pytest.mark.parametrize(
@@ -35,13 +19,15 @@ def pools():
         ("storebackend", 2, "shard_grad_op"),
     ],
 )
-def test_processes_equal_single_process_training(pools, backend, world, strategy):
-    results = pools(backend, world).run(fsdp_train_on_rank, "gpt", strategy, 4, 3)
+def test_processes_equal_single_process_training(process_pools, backend, world, strategy):
+    results = process_pools(backend, world).run(fsdp_train_on_rank, "gpt", strategy, 4, 3)
     check_matches_reference(results, reference_train("gpt", world, 4, 3))
 
 
 @pytest.mark.parametrize("prefetch,mp", [(False, False), (True, True)])
-def test_gloo_without_prefetch_and_with_float16(pools, prefetch, mp):
-    results = pools("gloo", 4).run(fsdp_train_on_rank, "mlp", "full_shard", 4, 3, 1, prefetch, mp)
+def test_gloo_without_prefetch_and_with_float16(process_pools, prefetch, mp):
+    results = process_pools("gloo", 4).run(
+        fsdp_train_on_rank, "mlp", "full_shard", 4, 3, 1, prefetch, mp
+    )
     tolerance = (2e-2, 2e-2) if mp else (1e-4, 1e-5)
     check_matches_reference(results, reference_train("mlp", 4, 4, 3), *tolerance)
