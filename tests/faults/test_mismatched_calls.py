@@ -30,6 +30,18 @@ def _outcome(call) -> str:
     return "returned"
 
 
+def _on_gloo(fn, shm: str) -> list:
+    """``fn`` on every rank of a fresh 4-process gloo job, shared memory on or off."""
+    return run_ranks(
+        fn,
+        WORLD,
+        "gloo",
+        "processes",
+        timeout=40,
+        env={"PLURIBUS_GLOO_SHM": shm, "PLURIBUS_TIMEOUT": "20"},
+    )
+
+
 def _broadcast_with_different_roots() -> dict:
     rank = pb.get_rank()
     x = np.full(4, float(rank), np.float32)
@@ -43,14 +55,7 @@ def _broadcast_with_different_roots() -> dict:
 @TRANSPORTS
 @pytest.mark.timeout(60)
 def test_broadcast_roots_that_differ_fail_the_broadcast(shm):
-    results = run_ranks(
-        _broadcast_with_different_roots,
-        WORLD,
-        "gloo",
-        "processes",
-        timeout=40,
-        env={"PLURIBUS_GLOO_SHM": shm, "PLURIBUS_TIMEOUT": "20"},
-    )
+    results = _on_gloo(_broadcast_with_different_roots, shm)
     for rank, result in enumerate(results):
         assert result["barrier"].startswith("mismatch"), (rank, result)
         if rank:  # every rank that received something raises in the broadcast itself
@@ -73,14 +78,7 @@ def _broadcast_against_all_reduce() -> dict:
 @pytest.mark.parametrize("shm", ["1"], ids=["shm"])
 @pytest.mark.timeout(60)
 def test_the_root_of_a_broadcast_learns_that_the_others_called_all_reduce(shm):
-    results = run_ranks(
-        _broadcast_against_all_reduce,
-        WORLD,
-        "gloo",
-        "processes",
-        timeout=40,
-        env={"PLURIBUS_GLOO_SHM": shm, "PLURIBUS_TIMEOUT": "20"},
-    )
+    results = _on_gloo(_broadcast_against_all_reduce, shm)
     for rank, result in enumerate(results):
         assert result["call"].startswith("mismatch"), (rank, result)
         assert result["barrier"].startswith("mismatch"), (rank, result)
