@@ -38,6 +38,13 @@ def _outcome(case: str) -> str:
         elif case == "root":  # rank 3 alone broadcasts from rank 1
             x = np.full(N, float(rank), np.float32)
             pb.broadcast(x, src=1 if rank == 3 else 0)
+        elif case == "short":  # after one good all_reduce, rank 0 alone calls barrier
+            x = np.ones(N, np.float32)
+            pb.all_reduce(x)
+            if rank == 0:
+                pb.barrier()  # its 1-byte token reaches rank 1's all_reduce first
+            else:
+                pb.all_reduce(x)
         elif case == "kind":
             x = np.ones(N, np.float32)
             if rank == 0:
@@ -66,6 +73,7 @@ CHECKS = {
         ("dtype", "ucc_check_calls"),
         ("root", "ucc_check_calls"),
         ("kind", "ucc_check_calls"),
+        ("short", "ucc_check_calls"),
         ("op", "DETAIL"),
     ],
 )
@@ -90,5 +98,13 @@ def test_ucc_mismatches_fail_every_rank(case, check):
         # a rank whose own part completed (a root that only sends, a rank that got the data
         # of the root it named) may return before it hears: its next call fails
         assert then == "mismatch", (rank, results)
-        if case == "kind" and rank or case == "root" and rank == 3 or case in ("dtype", "op"):
+        if (
+            case == "kind"
+            and rank
+            or case == "root"
+            and rank == 3
+            or case == "short"
+            and rank == 1
+            or case in ("dtype", "op")
+        ):
             assert call == "mismatch", (rank, results)

@@ -253,6 +253,7 @@ class UccBackend(Backend):
         while mask < self.size:
             partner = self.rank ^ mask
             outgoing[:n] = mine
+            incoming[n:] = NO_SIGNATURE  # a shorter message must not pass on stale bytes
             ops = [
                 self._recv(incoming, partner, NATIVE_TAG + level),
                 self._send(outgoing, partner, NATIVE_TAG + level),
@@ -356,6 +357,7 @@ class UccBackend(Backend):
             message[:n] = data
             message[n:] = signature
         else:
+            message[n:] = NO_SIGNATURE  # a shorter message must not pass on stale bytes
             self._wait([self._recv(message, parent, NATIVE_TAG)], what)
             self._check_signature(message[n:], signature, parent, what)
             data[...] = message[:n]
@@ -480,6 +482,9 @@ class UccBackend(Backend):
 #: Bytes of the signature a checked call appends to its messages.
 SIGNATURE_BYTES = 8
 _KINDS = ("all_reduce", "broadcast")
+#: What a receive buffer's signature slot holds until a message fills it: no call's signature,
+#: so a message from another call that is too short to reach the slot is still a mismatch.
+NO_SIGNATURE = 0xFF
 
 
 @functools.lru_cache(maxsize=256)
