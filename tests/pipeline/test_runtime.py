@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_blas_thread
 def test_every_schedule_equals_one_process_on_threads(name, p, which_m):
     m = {"1": 1, "p": p, "2p+1": 2 * p + 1}[which_m]
     results = run_ranks(pipeline_train_on_rank, p, args=(name, m), timeout=60)
-    check_parity(results, m)
+    check_parity(results, m, name=name)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,18 @@ def gloo_pool():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "name,p,m", [("1F1B", 2, 5), ("Interleaved1F1B", 2, 2), ("ZeroBubble", 4, 9), ("GPipe", 4, 1)]
+    "name,p,m",
+    [
+        ("1F1B", 2, 5),
+        ("Interleaved1F1B", 2, 2),
+        ("ZeroBubble", 4, 9),
+        ("GPipe", 4, 1),
+        ("ZBV", 2, 5),
+        ("ZBV", 4, 9),
+    ],
 )
 def test_schedules_on_gloo_processes_equal_one_process(gloo_pool, name, p, m):
-    check_parity(gloo_pool(p).run(pipeline_train_on_rank, name, m), m)
+    check_parity(gloo_pool(p).run(pipeline_train_on_rank, name, m), m, name=name)
 
 
 # -- bad input, refused before anything runs ------------------------------------------------------
@@ -73,6 +81,16 @@ def test_a_stage_count_that_does_not_match_the_group_is_refused_on_every_rank():
     for rank, text in errors.items():
         assert f"rank {rank} (stage {rank}): Schedule1F1B cannot place 3 stages" in text
         assert "it needs one stage per rank (2 stages)" in text
+
+
+def _zbv_with_one_stage_per_rank():
+    pp.ScheduleZBVZeroBubble(stages_on_rank(blocks_model(), 2, 1), 4, nn.MSELoss())
+
+
+def test_zbv_with_one_stage_per_rank_says_it_needs_two():
+    for rank, text in _errors(_zbv_with_one_stage_per_rank).items():
+        assert f"rank {rank} (stage {rank}): ScheduleZBVZeroBubble cannot place 2 stages" in text
+        assert "it needs two stages per rank (4 stages)" in text
 
 
 def _widths_disagree():
