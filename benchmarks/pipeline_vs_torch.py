@@ -11,7 +11,9 @@ the ratio reported is pluribus's step time over torch's, per step, then the medi
 
 The bubble is estimated the same way for both: one minus the time this rank needs for its
 stage(s) on ``m`` micro-batches alone (forward and backward, no messages, the least of three
-runs in the same process after the steps), over the median step time, averaged over ranks.
+runs in the same process after the steps, one rank at a time), over the median step time,
+averaged over ranks. With more ranks than cores a step also waits for a core, which this
+estimate counts as bubble.
 pluribus's bubble measured from its own per-action timeline is reported next to it. The first
 step's losses of the two are compared (same weights, same batch: they must agree to float32
 rounding). Without torch the script says so and exits 0.
@@ -175,13 +177,19 @@ def compare_on_rank(
                     row["ours_s"].append(ours_s)
                     row["torch_s"].append(torch_s)
                     row["ours_bubble"].append(pp.measured(events).bubble)
-            # the least disturbed of three, as the compute a step cannot do without
-            row["alone_ours_s"] = min(
-                _compute_alone_ours(stages, m, args.microbatch, args.width) for _ in range(3)
-            )
-            row["alone_torch_s"] = min(
-                _compute_alone_theirs(modules, m, args.microbatch, args.width) for _ in range(3)
-            )
+            # one rank at a time (more ranks than cores would slow each other down), the least
+            # disturbed of three runs: the compute a step cannot do without
+            for turn in range(p):
+                dist.barrier()
+                if turn == rank:
+                    row["alone_ours_s"] = min(
+                        _compute_alone_ours(stages, m, args.microbatch, args.width)
+                        for _ in range(3)
+                    )
+                    row["alone_torch_s"] = min(
+                        _compute_alone_theirs(modules, m, args.microbatch, args.width)
+                        for _ in range(3)
+                    )
             out[name] = row
     finally:
         tdist.destroy_process_group()
