@@ -179,7 +179,7 @@ def pipeline_ddp_on_rank(name: str, m: int):
 def traced_step_on_rank(name: str, m: int):
     """One step; every rank's events, this rank's activation ledger, and the program."""
     p = dist.get_world_size()
-    stages = stages_on_rank(blocks_model(), p, 1)
+    stages = stages_on_rank(blocks_model(), p, STAGES_PER_RANK.get(name, 1), name=name)
     schedule = pp.SCHEDULE_CLASSES[name](stages, m, nn.MSELoss())
     x, y = batches(m, 1)[0]
     schedule.step(x, target=y)

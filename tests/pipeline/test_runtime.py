@@ -4,7 +4,13 @@ refused before the step; a stage failing mid-step reaches every rank without a h
 import numpy as np
 import pluribus as dist
 import pytest
-from pipeline_cases import blocks_model, check_parity, pipeline_train_on_rank, stages_on_rank
+from pipeline_cases import (
+    STAGES_PER_RANK,
+    blocks_model,
+    check_parity,
+    pipeline_train_on_rank,
+    stages_on_rank,
+)
 from pluribus import nn
 from pluribus.parallel import pipeline as pp
 from pluribus.testing import RankPool, RanksFailed, require_backend, run_ranks
@@ -204,7 +210,7 @@ class Boom(nn.Module):
 
 def _failing_stage(name, bad_stage, where):
     p = dist.get_world_size()
-    stages = stages_on_rank(blocks_model(), p, 1)
+    stages = stages_on_rank(blocks_model(), p, STAGES_PER_RANK.get(name, 1), name=name)
     for s in stages:
         if s.stage_index == bad_stage:
             s.module = nn.Sequential(*list(s.module), Boom(1, where))
@@ -230,6 +236,17 @@ def test_a_stage_raising_mid_step_reaches_every_rank_naming_it(name, bad_stage, 
         assert f"stage {bad_stage} (rank {bad_stage}) raised" in text, text
         assert f"during {during}: boom" in text, text
         if rank != bad_stage:
+            assert "on another rank" in text
+
+
+def test_a_zbv_stage_raising_reaches_every_rank_naming_it():
+    """Stage 6 of 8 lives on rank 1 with stage 1; its W fails after every forward has run."""
+    errors = _errors(_failing_stage, 4, "ZBV", 6, "weight")
+    assert sorted(errors) == [0, 1, 2, 3]
+    for rank, text in errors.items():
+        assert text.startswith("PipelineError: pipeline step failed"), text
+        assert "stage 6 (rank 1) raised FloatingPointError during 6W0: boom" in text, text
+        if rank != 1:
             assert "on another rank" in text
 
 
