@@ -285,28 +285,51 @@ class Agent:
 
     # -- calls out ---------------------------------------------------------------------------
 
-    def call(
-        self, to: Any, request: dict, timeout: float | None, what: str, wait: bool
+    def call_function(
+        self, to: Any, name: str, args: tuple, kwargs: dict, timeout: float | None, what: str,
+        wait: bool,
     ) -> Future | Any:
-        """Send ``request`` to ``to``; its Future (``wait=False``) or its result."""
+        """Run the exposed function ``name`` on ``to``: as a ``CALL`` frame when its arguments
+        are plain (no codec on either side), else as a request; its Future or its result."""
+        seconds = self.timeout_of(timeout)
+        description = wire.encode_call(name, args, kwargs, seconds)
+        if description is None:
+            request = {"op": "call", "fn": name, "args": args, "kwargs": kwargs}
+            return self.call(to, request, seconds, what, wait)
+        return self.call(to, None, seconds, what, wait, (description, ()))
+
+    def call(
+        self,
+        to: Any,
+        request: dict | None,
+        timeout: float | None,
+        what: str,
+        wait: bool,
+        plain_call: tuple | None = None,
+    ) -> Future | Any:
+        """Send ``request`` to ``to`` (or the ``CALL`` frame body ``plain_call``); its Future
+        (``wait=False``) or its result."""
         self.check_running(what)
         peer = self.worker(to)
         seconds = self.timeout_of(timeout)
-        request["timeout"] = seconds
-        body = self.encode(request, peer.id, request=True, who=f"{self.who}: {what}")
-        limit = self._limits.get(peer.id, wire.DEFAULT_MAX_MESSAGE)
-        size = sum(p.nbytes for p in body[1])
-        if size > limit:
-            self._undo_counts(body)
-            raise ValueError(
-                f"{self.who}: {what} carries {size} bytes of arrays, more than worker "
-                f"{peer.name!r} accepts ({limit}; its init_rpc max_message_bytes)"
-            )
+        if plain_call is None:
+            request["timeout"] = seconds
+            kind, body = wire.REQUEST, self.encode(request, peer.id, True, f"{self.who}: {what}")
+            limit = self._limits.get(peer.id, wire.DEFAULT_MAX_MESSAGE)
+            size = sum(p.nbytes for p in body[1])
+            if size > limit:
+                self._undo_counts(body)
+                raise ValueError(
+                    f"{self.who}: {what} carries {size} bytes of arrays, more than worker "
+                    f"{peer.name!r} accepts ({limit}; its init_rpc max_message_bytes)"
+                )
+        else:
+            kind, body = wire.CALL, plain_call
         future = Future()
         call_id = next(self._call_ids)
         try:
             channel = self._channel(peer, seconds)
-            channel.send(wire.REQUEST, call_id, body, future)
+            channel.send(kind, call_id, body, future)
         except BaseException:
             self._undo_counts(body)
             raise

@@ -56,11 +56,11 @@ class Channel:
         """Write a frame; with ``future``, a request whose reply will settle it (read by the
         caller in ``wait``, or by the channel's thread after ``want_reader``)."""
         description, pieces = body
-        size = sum(p.nbytes for p in pieces)
+        size = sum(p.nbytes for p in pieces) if pieces else 0
         segment = None
-        if kind == wire.REQUEST:
+        if kind == wire.REQUEST and size:
             segment = self.agent.lend_segment(pieces, size, self.peer.id, wait=True)
-        if segment is None and self.owed() and size > 65536:
+        if segment is None and size > 65536 and self.owed():
             # someone must read replies while this thread may block sending: a peer blocked
             # sending a large reply is not reading this request
             self.want_reader()
@@ -73,7 +73,7 @@ class Channel:
                 self.pending[call_id] = future
             try:
                 wire.send_frame(self.sock, kind, call_id, description, pieces, segment)
-                if kind == wire.REQUEST:
+                if kind == wire.REQUEST or kind == wire.CALL:
                     self._requests_sent += 1
             except OSError as exc:
                 self.pending.pop(call_id, None)
@@ -151,7 +151,7 @@ class Channel:
             if kind == wire.BYE:
                 self._said_bye = True
                 return None
-            if kind != wire.REPLY:
+            if kind != wire.REPLY and kind != wire.RESULT:
                 raise wire.FrameError(f"a frame of kind {kind} where replies come")
             self._replies_read += 1
         except (OSError, ValueError) as exc:
@@ -160,6 +160,8 @@ class Channel:
         if future is None:  # timed out meanwhile
             return None
         try:
+            if kind == wire.RESULT:
+                return ("result", future, wire.decode_result(description))
             reply = self.agent.decode(description, heap, self.peer.id, request=False)
         except Exception as exc:
             error = PluribusError(f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}")
@@ -173,6 +175,8 @@ class Channel:
             self.close(outcome[1])
         elif outcome[0] == "failed":
             outcome[1].set_exception(outcome[2])
+        elif outcome[0] == "result":
+            outcome[1].set_result(outcome[2])
         else:
             self.agent.deliver(outcome[1], outcome[2], self.peer)
 
