@@ -286,7 +286,13 @@ class Agent:
     # -- calls out ---------------------------------------------------------------------------
 
     def call_function(
-        self, to: Any, name: str, args: tuple, kwargs: dict, timeout: float | None, what: str,
+        self,
+        to: Any,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        timeout: float | None,
+        what: str,
         wait: bool,
     ) -> Future | Any:
         """Run the exposed function ``name`` on ``to``: as a ``CALL`` frame when its arguments
