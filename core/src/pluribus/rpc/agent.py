@@ -26,7 +26,7 @@ from ..errors import DistTimeoutError, PeerError, PluribusError
 from . import segments, wire
 from .channel import Channel
 from .errors import LEFT, RemoteError
-from .futures import Future
+from .futures import Future, Reply
 from .pool import HandlerPool
 from .rref import OwnerTable, RRef
 from .server import INLINE_LIMIT, ServerConnection
@@ -331,7 +331,7 @@ class Agent:
                 )
         else:
             kind, body = wire.CALL, plain_call
-        future = Future()
+        future = Reply() if wait else Future()
         call_id = next(self._call_ids)
         try:
             channel = self._channel(peer, seconds)
@@ -344,7 +344,7 @@ class Agent:
                 channel.pending.pop(call_id, None)
                 channel.want_reader()  # the late reply must still be read off the connection
                 raise self._timed_out(what, peer, seconds)
-            return future.result(0)
+            return future.result()
         channel.want_reader()
         with self._deadline_cond:
             heapq.heappush(
@@ -546,8 +546,13 @@ class Agent:
         self._close()
 
     def _wait_own_calls(self, deadline: float) -> None:
-        futures = [f for channel in list(self._channels.values()) for f in channel.pending.values()]
-        concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        calls = [f for channel in list(self._channels.values()) for f in channel.pending.values()]
+        for call in calls:
+            left = max(0.0, deadline - time.monotonic())
+            if isinstance(call, Reply):
+                call.wait(left)
+            else:
+                concurrent.futures.wait([call], timeout=left)
 
     def _barrier(self, deadline: float) -> None:
         """Wait until every other worker has come to shutdown too (or is gone), so that none
