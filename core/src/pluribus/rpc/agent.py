@@ -90,7 +90,6 @@ class Agent:
         self._deadlines: list[tuple] = []  # (deadline, call id, seconds, future, channel, ...)
         self._deadline_cond = threading.Condition()
         self._releases: queue.SimpleQueue = queue.SimpleQueue()
-        self.inline: dict[tuple[ServerConnection, int], float] = {}  # run -> since
         self.owns_store = False
         self.bind_thread = bind_thread  # makes this the agent of a thread that runs handlers
         self.pool = HandlerPool(
@@ -381,9 +380,10 @@ class Agent:
         while self._state != "closed":
             time.sleep(INLINE_LIMIT / 2)
             now = time.monotonic()
-            for (connection, token), since in list(self.inline.items()):
-                if now - since > INLINE_LIMIT:
-                    connection.hand_over(token)
+            for connection in list(self._connections):
+                run = connection.inline_run
+                if run is not None and now - run[1] > INLINE_LIMIT:
+                    connection.hand_over(run)
 
     def deliver(self, future: Future, reply: Any, peer: WorkerInfo) -> None:
         if isinstance(reply, dict) and "ok" in reply:

@@ -44,6 +44,8 @@ class ServerConnection:
         self._role = threading.Lock()
         self._readers = itertools.count()
         self._reading = next(self._readers)  # which thread reads now
+        #: (reading thread, start time) of the handler running on the reading thread, if any
+        self.inline_run: tuple[int, float] | None = None
 
     def start(self, token: int = 0) -> None:
         """Start reading (one thread at a time reads; see ``run_inline``)."""
@@ -57,19 +59,24 @@ class ServerConnection:
     def run_inline(self, job, token: int) -> bool:
         """Run a handler on the reading thread ``token``, saving the hand-over to a pool thread
         (the round trip of a small call). Reading goes on in another thread if the handler
-        waits for a call or outlives ``INLINE_LIMIT``. False when the pool is full."""
-        run = (self, token)
-        self.agent.inline[run] = time.monotonic()
+        waits for a call or outlives ``INLINE_LIMIT`` (``hand_over``). False when the pool is
+        full."""
+        run = (token, time.monotonic())
+        self.inline_run = run
         try:
-            return self.agent.pool.run_here(job, lambda: self.hand_over(token))
+            return self.agent.pool.run_here(job, lambda: self.hand_over(run))
         finally:
-            self.agent.inline.pop(run, None)
+            with self._role:
+                if self.inline_run is run:
+                    self.inline_run = None
 
-    def hand_over(self, token: int) -> None:
-        """If thread ``token`` still reads this connection, let a new thread read instead."""
+    def hand_over(self, run: tuple[int, float]) -> None:
+        """Let a new thread read instead of the one running the handler ``run``, if that
+        handler still runs there."""
         with self._role:
-            if self._reading != token:
+            if self.inline_run is not run or self._reading != run[0]:
                 return
+            self.inline_run = None
             self._reading = next(self._readers)
             successor = self._reading
         self.start(successor)
