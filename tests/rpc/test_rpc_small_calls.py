@@ -2,7 +2,9 @@
 RESULT frames (JSON, no codec), handlers run on the connection's reading thread, and a waiting
 caller's reply lands in a ``Reply``. Values must arrive exactly as the codec path delivers
 them; handlers that raise, block or call other workers must behave as on the pool; malformed
-CALL frames from an authenticated peer are refused and the worker keeps serving."""
+CALL frames from an authenticated peer are refused and the worker keeps serving. Workers of one
+host connect through the listener's name in the abstract Unix namespace, which must hold the
+same handshake and fall back to TCP where it cannot be reached."""
 
 import math
 import socket
@@ -15,7 +17,7 @@ import pytest
 import rpc_cases as c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pluribus import HashStore, rpc
+from pluribus import AuthenticationError, HashStore, rpc
 from pluribus.rpc import api, transport, wire
 from pluribus.rpc import server as server_module
 from pluribus.rpc.api import current_agent
@@ -286,3 +288,70 @@ def test_any_call_description_decodes_or_is_a_frame_error(description):
     except wire.FrameError:
         return
     assert isinstance(name, str) and isinstance(args, tuple) and isinstance(kwargs, dict)
+
+
+# -- workers of one host: the listener's local name ---------------------------------------------
+
+
+def _families():
+    agent = current_agent()
+    channel = agent._channels[1]
+    return channel.sock.family
+
+
+def test_workers_of_one_host_connect_through_the_local_listener():
+    def main(rank):
+        if rank != 0:
+            return None
+        assert rpc.rpc_sync("w1", c.add, args=(1, 2)) == 3
+        np.testing.assert_array_equal(
+            rpc.rpc_sync("w1", c.scale, args=(np.arange(70000.0), 2)), np.arange(70000.0) * 2
+        )
+        return _families()
+
+    assert run_threads(2, main)[0] == socket.AF_UNIX
+
+
+def test_without_a_local_listener_workers_use_tcp(monkeypatch):
+    monkeypatch.setattr(transport, "_listen_locally", lambda host, port: None)
+
+    def main(rank):
+        if rank != 0:
+            return None
+        assert rpc.rpc_sync("w1", c.add, args=(1, 2)) == 3
+        return _families()
+
+    assert run_threads(2, main)[0] == socket.AF_INET
+
+
+def test_a_local_name_nobody_listens_on_falls_back_to_tcp(server):
+    host, port = server._listener.host, server._listener.port
+    with socket.create_server(("127.0.0.1", 0)) as tcp_only:  # has no local name
+        sock = transport._open(*tcp_only.getsockname()[:2], True, 5.0)
+        assert sock.family == socket.AF_INET
+        sock.close()
+    sock = transport._open(host, port, True, 5.0)
+    assert sock.family == socket.AF_UNIX
+    sock.close()
+
+
+def test_the_local_listener_refuses_a_wrong_secret_and_survives_garbage(server):
+    host, port = server._listener.host, server._listener.port
+    refused = server._listener.refused
+    with pytest.raises(AuthenticationError, match="refused this worker's secret"):
+        transport.connect(host, port, "not-the-secret", 0, 5.0, "worker 'server'", True)
+    assert server._listener.refused == refused + 1
+    rng = np.random.default_rng(3)
+    garbage = []
+    for i in range(60):
+        sock = transport._open(host, port, True, 5.0)
+        assert sock.family == socket.AF_UNIX
+        if i % 3 == 0:
+            sock.sendall(rng.bytes(200))  # random bytes
+        elif i % 3 == 1:
+            sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.CALL, 0, 1, 2**40, 0))  # no secret
+        garbage.append(sock)  # and every third one half-open
+    assert rpc.rpc_sync("server", c.add, args=(2, 2), timeout=5) == 4
+    assert server._listener.pending <= transport.MAX_PENDING
+    for sock in garbage:
+        sock.close()

@@ -73,6 +73,7 @@ class Agent:
         self._by_name: dict[str, WorkerInfo] = {}
         self._limits: dict[int, int] = {}
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._local: dict[int, bool] = {}  # whose listeners have a local name too
         self._probe = segments.Probe() if shared_memory else None
         self._pids: dict[int, int] = {}
         self._segments_from: set[int] = set()  # peers whose segments this worker can open
@@ -118,6 +119,7 @@ class Agent:
             "name": self.name,
             "host": self._listener.host,
             "port": self._listener.port,
+            "local": self._listener.local,
             "max_message": self.max_message,
             "pid": os.getpid(),
             "segments": self._probe.describe() if self._probe else None,
@@ -145,6 +147,7 @@ class Agent:
             self.workers.append(info)
             self._by_name[info.name] = info
             self._addresses[rank] = (str(entry["host"]), int(entry["port"]))
+            self._local[rank] = entry.get("local") is True
             self._limits[rank] = int(entry["max_message"])
         self._join_segments(entries, deadline)
 
@@ -267,7 +270,15 @@ class Agent:
                 raise self.gone_error(peer, self._gone.get(peer.id) or channel.broken)
             host, port = self._addresses[peer.id]
             try:
-                sock = connect(host, port, self.secret, self.rank, timeout, f"worker {peer.name!r}")
+                sock = connect(
+                    host,
+                    port,
+                    self.secret,
+                    self.rank,
+                    timeout,
+                    f"worker {peer.name!r}",
+                    self._local.get(peer.id, False),
+                )
             except PeerError as exc:
                 self.peer_gone(peer.id, "cannot be reached (it died or shut down)")
                 raise PeerError(
