@@ -293,7 +293,7 @@ def test_any_call_description_decodes_or_is_a_frame_error(description):
 # -- workers of one host: the listener's local name ---------------------------------------------
 
 
-def _families():
+def _family_to_w1():
     """The address family of this worker's connection to w1."""
     return current_agent()._channels[1].sock.family
 
@@ -306,7 +306,7 @@ def test_workers_of_one_host_connect_through_the_local_listener():
         np.testing.assert_array_equal(
             rpc.rpc_sync("w1", c.scale, args=(np.arange(70000.0), 2)), np.arange(70000.0) * 2
         )
-        return _families()
+        return _family_to_w1()
 
     assert run_threads(2, main)[0] == socket.AF_UNIX
 
@@ -318,7 +318,7 @@ def test_without_a_local_listener_workers_use_tcp(monkeypatch):
         if rank != 0:
             return None
         assert rpc.rpc_sync("w1", c.add, args=(1, 2)) == 3
-        return _families()
+        return _family_to_w1()
 
     assert run_threads(2, main)[0] == socket.AF_INET
 
@@ -368,7 +368,7 @@ def test_large_arrays_both_ways_over_the_local_socket_do_not_block_it():
             rpc.rpc_sync("w1", c.echo_after, args=(0.3, big), timeout=0.1)
         futures = [rpc.rpc_async("w1", c.scale, args=(big, 2.0)) for _ in range(2)]
         back = rpc.rpc_sync("w1", c.scale, args=(big, 3.0), timeout=30)
-        return back, [f.wait(30) for f in futures], _families()
+        return back, [f.wait(30) for f in futures], _family_to_w1()
 
     back, others, family = run_threads(2, main, shared_memory=False)[0]
     assert family == socket.AF_UNIX
