@@ -7,7 +7,9 @@ The handshake comes before any other byte is read, and the server parses nothing
     server -> client   HMAC(secret, "server" + client nonce)      (only if the client's was right)
 
 So each side proves it holds the job's secret without sending it, and a replayed answer is
-useless (fresh nonces). The listener runs every handshake on one thread with non-blocking
+useless (fresh nonces). The listener takes connections on its TCP port and, for workers of its
+host, on a Unix socket in Linux's abstract namespace named after that port; both get the same
+handshake. The listener runs every handshake on one thread with non-blocking
 sockets and a deadline: random bytes, huge lengths or half-open sockets cost a socket and at
 most 68 bytes each until they are dropped, never a thread, and at most ``MAX_PENDING`` of them
 are kept (the oldest go first).
@@ -194,7 +196,7 @@ class Listener:
     def _refuse(self, pending: _Pending, why: str) -> None:
         self.refused += 1
         try:
-            peer = pending.sock.getpeername()
+            peer = pending.sock.getpeername() or "a local socket"
         except OSError:
             peer = "?"
         quiet = self.refused > 10 and str(self.refused).strip("0") != "1"  # 1-10, 100, 1000...
