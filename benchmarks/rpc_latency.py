@@ -9,8 +9,9 @@ blocks of each contender run one after the other (so a noisy moment hits all of 
 best block per contender is kept:
 
 - latency: ``rpc_sync(w1, add, args=(1, 2))`` round trips, pluribus.rpc vs torch.distributed.rpc
-  (TensorPipe; skipped when torch is not installed), and a plain TCP ping-pong between the same
-  processes as the floor. Goals: below 100 us, and at most 0.5x torch.
+  (TensorPipe; skipped when torch is not installed), and plain TCP and Unix-socket ping-pongs
+  between the same processes as the floors (pluribus.rpc connects workers of one host through a
+  Unix socket). Goals: below 100 us, and at most 0.5x torch.
 - throughput: a 16 MiB float32 array as the argument of ``rpc_sync`` (the reply is its byte
   count) vs the gloo backend's ``send`` of the same bytes answered by a 4-byte ``send`` back.
   Goal: at least 0.8x gloo. On one host the argument travels in a shared-memory segment that
@@ -84,20 +85,29 @@ def _best_per_call(fn, calls: int, name: str = "") -> float:
 PING = b"x" * 40
 
 
-def _raw_pair(rank: int) -> socket.socket:
-    """A plain TCP connection between ranks 0 and 1 (TCP_NODELAY, as the RPC's)."""
+def _raw_pair(rank: int, family: int = socket.AF_INET) -> socket.socket:
+    """A plain connection between ranks 0 and 1: TCP (with TCP_NODELAY, as the RPC's) or a Unix
+    socket in the abstract namespace."""
     listener = None
-    port = None
+    address = None
     if rank == 1:
-        listener = socket.create_server(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
-    port = pb.broadcast_object(port, src=1)
+        if family == socket.AF_INET:
+            listener = socket.create_server(("127.0.0.1", 0))
+            address = listener.getsockname()
+        else:
+            listener = socket.socket(socket.AF_UNIX)
+            address = f"\0rpc-latency-floor-{os.getpid()}"
+            listener.bind(address)
+            listener.listen()
+    address = pb.broadcast_object(address, src=1)
     if rank == 0:
-        sock = socket.create_connection(("127.0.0.1", port))
+        sock = socket.socket(family)
+        sock.connect(tuple(address) if family == socket.AF_INET else address)
     else:
         sock, _ = listener.accept()
         listener.close()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if family == socket.AF_INET:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 
@@ -132,11 +142,15 @@ def main() -> None:
         )
         torch_rpc.init_rpc(f"t{rank}", rank=rank, world_size=2, rpc_backend_options=options)
 
-    raw = _raw_pair(rank)
+    raws = {
+        "raw_tcp_pingpong_s": _raw_pair(rank),
+        "raw_unix_pingpong_s": _raw_pair(rank, socket.AF_UNIX),
+    }
     array = np.ones(SIZE // 4, dtype=np.float32)
     ack = np.zeros(1, dtype=np.int32)
     results: dict[str, list[float]] = {"pluribus_rpc_latency_s": [], "torch_rpc_latency_s": []}
     results["raw_tcp_pingpong_s"] = []
+    results["raw_unix_pingpong_s"] = []
     results.update({"pluribus_rpc_16MiB_s": [], "gloo_16MiB_s": [], "torch_rpc_16MiB_s": []})
     results["pluribus_rpc_16MiB_copied_s"] = []
     load_before = os.getloadavg()
@@ -179,18 +193,19 @@ def main() -> None:
             # (and take the GIL from the threads serving the calls)
             store.get(f"rpc-bench/{round_}", timeout=600)
         pb.barrier()
-        # the floor: a 40-byte ping-pong on a plain TCP socket between the same two processes
-        if rank == 0:
+        # the floors: a 40-byte ping-pong on a plain socket between the same two processes
+        for key, raw in raws.items():
+            if rank == 0:
 
-            def ping():
-                raw.sendall(PING)
-                raw.recv(64)
+                def ping(raw=raw):
+                    raw.sendall(PING)
+                    raw.recv(64)
 
-            results["raw_tcp_pingpong_s"].append(_best_per_call(ping, args.calls))
-        else:
-            for _ in range(args.calls):
-                raw.sendall(raw.recv(64))
-        pb.barrier()
+                results[key].append(_best_per_call(ping, args.calls))
+            else:
+                for _ in range(args.calls):
+                    raw.sendall(raw.recv(64))
+            pb.barrier()
         if rank == 0:
 
             def gloo_transfer():
@@ -231,8 +246,12 @@ def _report(results: dict[str, list[float]], args, have_torch: bool, loads) -> N
         f"({median['pluribus_rpc_latency_s'] * 1e6:.1f})",
     ]
     lines.append(
-        f"raw TCP ping-pong (the floor)      {best['raw_tcp_pingpong_s'] * 1e6:8.1f} us "
+        f"raw TCP ping-pong (a floor)        {best['raw_tcp_pingpong_s'] * 1e6:8.1f} us "
         f"({median['raw_tcp_pingpong_s'] * 1e6:.1f})"
+    )
+    lines.append(
+        f"raw Unix-socket ping-pong (floor)  {best['raw_unix_pingpong_s'] * 1e6:8.1f} us "
+        f"({median['raw_unix_pingpong_s'] * 1e6:.1f})"
     )
     if have_torch:
         ratio = best["pluribus_rpc_latency_s"] / best["torch_rpc_latency_s"]

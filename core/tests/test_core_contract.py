@@ -4,6 +4,7 @@ whose backend leaves failures to the core runs its calls where a failure can end
 
 from __future__ import annotations
 
+import collections
 import queue
 import re
 import threading
@@ -11,6 +12,7 @@ import threading
 import numpy as np
 import pluribus as pb
 import pytest
+from pluribus import algorithms
 from pluribus.backend import Backend
 from pluribus.builtin import threads
 from pluribus.testing import run_ranks
@@ -50,27 +52,96 @@ def test_raw_transport_exceptions_become_pluribus_errors(leak, expected):
 
 
 class Counted(Backend):
-    def __init__(self):
-        super().__init__(0, 2, 5.0)
+    def __init__(self, rank=0, size=3):
+        super().__init__(rank, size, 5.0)
         self.sent = []
+        self.order = []
 
     def send(self, array, dst, tag=0):
         self.sent.append(threading.current_thread().name)
+        self.order.append("send")
 
     def recv(self, array, src, tag=0):
         array[...] = 1
+        self.order.append("recv")
 
 
-def test_the_default_sendrecv_uses_one_sender_thread():
+def test_the_default_sendrecv_uses_one_sender_thread_for_a_ring_exchange():
     backend = Counted()
     before = threading.active_count()
     for _ in range(50):
-        backend.sendrecv(np.zeros(2), 1, np.zeros(2), 1)
+        backend.sendrecv(np.zeros(2), 1, np.zeros(2), 2)
     assert threading.active_count() <= before + 1
     assert len(set(backend.sent)) == 1 and backend.sent[0] != threading.current_thread().name
     backend.send_blocks = False
-    backend.sendrecv(np.zeros(2), 1, np.zeros(2), 1)
+    backend.sendrecv(np.zeros(2), 1, np.zeros(2), 2)
     assert backend.sent[-1] == threading.current_thread().name
+
+
+@pytest.mark.parametrize(
+    "rank, partner, order", [(0, 1, ["send", "recv"]), (1, 0, ["recv", "send"])]
+)
+def test_an_exchange_with_one_partner_runs_on_the_caller_lower_rank_sending_first(
+    rank, partner, order
+):
+    """Two sends that wait for their receivers never meet, and no thread hand-off is paid."""
+    backend = Counted(rank, 2)
+    backend.sendrecv(np.zeros(2), partner, np.zeros(2), partner)
+    assert backend.order == order
+    assert backend.sent == [threading.current_thread().name]
+
+
+class Rendezvous(Backend):
+    """The strictest send ``Backend`` allows: it returns once the receiver has the message."""
+
+    def __init__(self, rank, size, boxes):
+        super().__init__(rank, size, 10.0)
+        self.boxes = boxes
+
+    def send(self, array, dst, tag=0):
+        taken = threading.Event()
+        self.boxes[(self.rank, dst, tag)].put((array.copy(), taken))
+        if not taken.wait(self.timeout):
+            raise TimeoutError(f"rank {self.rank}: rank {dst} never took the message")
+
+    def recv(self, array, src, tag=0):
+        data, taken = self.boxes[(src, self.rank, tag)].get(timeout=self.timeout)
+        array[...] = data
+        taken.set()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("count", [4, 1 << 16])  # recursive doubling, and the ring
+def test_rendezvous_sends_complete_every_generic_exchange(size, count):
+    """Pairwise exchanges (lower rank first), ring steps (sender thread) and all-to-all, with
+    sends that wait for their receivers: no deadlock, and the results are right."""
+    boxes = collections.defaultdict(queue.Queue)
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            backend = Rendezvous(rank, size, boxes)
+            x = np.arange(count, dtype=np.float64) + rank
+            algorithms.all_reduce(backend, x, pb.ReduceOp.SUM)
+            outputs = [np.empty(3) for _ in range(size)]
+            algorithms.all_to_all(
+                backend, outputs, [np.full(3, 10.0 * rank + d) for d in range(size)]
+            )
+            results[rank] = (x, outputs)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads_ = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(size)]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join(30)
+    assert not errors and len(results) == size, errors
+    expected = size * np.arange(count, dtype=np.float64) + sum(range(size))
+    for rank, (x, outputs) in results.items():
+        np.testing.assert_array_equal(x, expected)
+        assert [o[0] for o in outputs] == [10.0 * s + rank for s in range(size)]
 
 
 def test_a_view_with_a_shorter_timeout_leaves_the_timeout_to_the_core():

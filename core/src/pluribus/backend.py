@@ -96,8 +96,11 @@ class Backend:
     def sendrecv(self, send_array: Any, dst: int, recv_array: Any, src: int, tag: int = 0) -> None:
         """Send to ``dst`` and receive from ``src`` at once, so that rings cannot deadlock.
 
-        With :attr:`send_blocks` the send runs on this backend's sender thread (one, started on
-        first use) while this thread receives; otherwise the send runs here first.
+        Without :attr:`send_blocks` the send runs here first. With it, an exchange with one
+        partner (``dst == src``, as in recursive doubling) runs here too, the lower rank sending
+        first (two sends that wait for their receivers cannot meet); any other exchange runs its
+        send on this backend's sender thread (one, started on first use) while this thread
+        receives.
         """
         if dst == self.rank and src == self.rank:
             recv_array[...] = send_array
@@ -105,6 +108,14 @@ class Backend:
         if not self.send_blocks:
             self.send(send_array, dst, tag)
             self.recv(recv_array, src, tag)
+            return
+        if dst == src:  # a thread hand-off costs more than the second message
+            if self.rank < dst:
+                self.send(send_array, dst, tag)
+                self.recv(recv_array, src, tag)
+            else:
+                self.recv(recv_array, src, tag)
+                self.send(send_array, dst, tag)
             return
         sender = self._sender
         if sender is None:

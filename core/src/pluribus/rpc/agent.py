@@ -26,7 +26,7 @@ from ..errors import DistTimeoutError, PeerError, PluribusError
 from . import segments, wire
 from .channel import Channel
 from .errors import LEFT, RemoteError
-from .futures import Future
+from .futures import Future, Reply
 from .pool import HandlerPool
 from .rref import OwnerTable, RRef
 from .server import INLINE_LIMIT, ServerConnection
@@ -73,6 +73,7 @@ class Agent:
         self._by_name: dict[str, WorkerInfo] = {}
         self._limits: dict[int, int] = {}
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._local: dict[int, bool] = {}  # whose listeners have a local name too
         self._probe = segments.Probe() if shared_memory else None
         self._pids: dict[int, int] = {}
         self._segments_from: set[int] = set()  # peers whose segments this worker can open
@@ -90,7 +91,6 @@ class Agent:
         self._deadlines: list[tuple] = []  # (deadline, call id, seconds, future, channel, ...)
         self._deadline_cond = threading.Condition()
         self._releases: queue.SimpleQueue = queue.SimpleQueue()
-        self.inline: dict[tuple[ServerConnection, int], float] = {}  # run -> since
         self.owns_store = False
         self.bind_thread = bind_thread  # makes this the agent of a thread that runs handlers
         self.pool = HandlerPool(
@@ -119,6 +119,7 @@ class Agent:
             "name": self.name,
             "host": self._listener.host,
             "port": self._listener.port,
+            "local": self._listener.local,
             "max_message": self.max_message,
             "pid": os.getpid(),
             "segments": self._probe.describe() if self._probe else None,
@@ -146,6 +147,7 @@ class Agent:
             self.workers.append(info)
             self._by_name[info.name] = info
             self._addresses[rank] = (str(entry["host"]), int(entry["port"]))
+            self._local[rank] = entry.get("local") is True
             self._limits[rank] = int(entry["max_message"])
         self._join_segments(entries, deadline)
 
@@ -268,7 +270,15 @@ class Agent:
                 raise self.gone_error(peer, self._gone.get(peer.id) or channel.broken)
             host, port = self._addresses[peer.id]
             try:
-                sock = connect(host, port, self.secret, self.rank, timeout, f"worker {peer.name!r}")
+                sock = connect(
+                    host,
+                    port,
+                    self.secret,
+                    self.rank,
+                    timeout,
+                    f"worker {peer.name!r}",
+                    self._local.get(peer.id, False),
+                )
             except PeerError as exc:
                 self.peer_gone(peer.id, "cannot be reached (it died or shut down)")
                 raise PeerError(
@@ -285,28 +295,57 @@ class Agent:
 
     # -- calls out ---------------------------------------------------------------------------
 
-    def call(
-        self, to: Any, request: dict, timeout: float | None, what: str, wait: bool
+    def call_function(
+        self,
+        to: Any,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        timeout: float | None,
+        what: str,
+        wait: bool,
     ) -> Future | Any:
-        """Send ``request`` to ``to``; its Future (``wait=False``) or its result."""
+        """Run the exposed function ``name`` on ``to``: as a ``CALL`` frame when its arguments
+        are plain (no codec on either side), else as a request; its Future or its result."""
+        seconds = self.timeout_of(timeout)
+        description = wire.encode_call(name, args, kwargs, seconds)
+        if description is None:
+            request = {"op": "call", "fn": name, "args": args, "kwargs": kwargs}
+            return self.call(to, request, seconds, what, wait)
+        return self.call(to, None, seconds, what, wait, (description, ()))
+
+    def call(
+        self,
+        to: Any,
+        request: dict | None,
+        timeout: float | None,
+        what: str,
+        wait: bool,
+        plain_call: tuple | None = None,
+    ) -> Future | Any:
+        """Send ``request`` to ``to`` (or the ``CALL`` frame body ``plain_call``); its Future
+        (``wait=False``) or its result."""
         self.check_running(what)
         peer = self.worker(to)
         seconds = self.timeout_of(timeout)
-        request["timeout"] = seconds
-        body = self.encode(request, peer.id, request=True, who=f"{self.who}: {what}")
-        limit = self._limits.get(peer.id, wire.DEFAULT_MAX_MESSAGE)
-        size = sum(p.nbytes for p in body[1])
-        if size > limit:
-            self._undo_counts(body)
-            raise ValueError(
-                f"{self.who}: {what} carries {size} bytes of arrays, more than worker "
-                f"{peer.name!r} accepts ({limit}; its init_rpc max_message_bytes)"
-            )
-        future = Future()
+        if plain_call is None:
+            request["timeout"] = seconds
+            kind, body = wire.REQUEST, self.encode(request, peer.id, True, f"{self.who}: {what}")
+            limit = self._limits.get(peer.id, wire.DEFAULT_MAX_MESSAGE)
+            size = sum(p.nbytes for p in body[1])
+            if size > limit:
+                self._undo_counts(body)
+                raise ValueError(
+                    f"{self.who}: {what} carries {size} bytes of arrays, more than worker "
+                    f"{peer.name!r} accepts ({limit}; its init_rpc max_message_bytes)"
+                )
+        else:
+            kind, body = wire.CALL, plain_call
+        future = Reply() if wait else Future()
         call_id = next(self._call_ids)
         try:
             channel = self._channel(peer, seconds)
-            channel.send(wire.REQUEST, call_id, body, future)
+            channel.send(kind, call_id, body, future)
         except BaseException:
             self._undo_counts(body)
             raise
@@ -315,7 +354,7 @@ class Agent:
                 channel.pending.pop(call_id, None)
                 channel.want_reader()  # the late reply must still be read off the connection
                 raise self._timed_out(what, peer, seconds)
-            return future.result(0)
+            return future.result()
         channel.want_reader()
         with self._deadline_cond:
             heapq.heappush(
@@ -352,9 +391,10 @@ class Agent:
         while self._state != "closed":
             time.sleep(INLINE_LIMIT / 2)
             now = time.monotonic()
-            for (connection, token), since in list(self.inline.items()):
-                if now - since > INLINE_LIMIT:
-                    connection.hand_over(token)
+            for connection in list(self._connections):
+                run = connection.inline_run
+                if run is not None and now - run[1] > INLINE_LIMIT:
+                    connection.hand_over(run)
 
     def deliver(self, future: Future, reply: Any, peer: WorkerInfo) -> None:
         if isinstance(reply, dict) and "ok" in reply:
@@ -517,8 +557,13 @@ class Agent:
         self._close()
 
     def _wait_own_calls(self, deadline: float) -> None:
-        futures = [f for channel in list(self._channels.values()) for f in channel.pending.values()]
-        concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        calls = [f for channel in list(self._channels.values()) for f in channel.pending.values()]
+        for call in calls:
+            left = max(0.0, deadline - time.monotonic())
+            if isinstance(call, Reply):
+                call.wait(left)
+            else:
+                concurrent.futures.wait([call], timeout=left)
 
     def _barrier(self, deadline: float) -> None:
         """Wait until every other worker has come to shutdown too (or is gone), so that none

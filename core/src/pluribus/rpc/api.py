@@ -185,8 +185,7 @@ def rpc_sync(
     """Run the exposed ``fn(*args, **kwargs)`` on worker ``to`` and return its result."""
     agent = current_agent()
     key, args, kwargs = _checked(agent, fn, args, kwargs, "rpc_sync")
-    request = {"op": "call", "fn": key, "args": args, "kwargs": kwargs}
-    return agent.call(to, request, timeout, f"rpc_sync({key})", wait=True)
+    return agent.call_function(to, key, args, kwargs, timeout, f"rpc_sync({key})", wait=True)
 
 
 def rpc_async(
@@ -199,8 +198,7 @@ def rpc_async(
     """Like ``rpc_sync``, returning a Future at once."""
     agent = current_agent()
     key, args, kwargs = _checked(agent, fn, args, kwargs, "rpc_async")
-    request = {"op": "call", "fn": key, "args": args, "kwargs": kwargs}
-    return agent.call(to, request, timeout, f"rpc_async({key})", wait=False)
+    return agent.call_function(to, key, args, kwargs, timeout, f"rpc_async({key})", wait=False)
 
 
 def remote(

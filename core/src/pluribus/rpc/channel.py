@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import select
 import socket
 import threading
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 from ..errors import PluribusError
 from . import wire
 from .errors import DIED, LEFT
-from .futures import Future
+from .futures import Future, Reply
 from .pool import current_pool, waiting
 
 if TYPE_CHECKING:
@@ -33,7 +32,7 @@ class Channel:
         self.peer = peer
         self.sock = sock
         self.lock = threading.Lock()  # sending
-        self.pending: dict[int, Future] = {}
+        self.pending: dict[int, Future | Reply] = {}
         self.broken: str | None = None
         self._said_bye = False
         self._reader = wire.FrameReader(
@@ -52,15 +51,15 @@ class Channel:
             target=self._read_for_others, name=f"{agent.thread_prefix}-to-{peer.name}", daemon=True
         ).start()
 
-    def send(self, kind: int, call_id: int, body, future: Future | None = None) -> None:
+    def send(self, kind: int, call_id: int, body, future: Future | Reply | None = None) -> None:
         """Write a frame; with ``future``, a request whose reply will settle it (read by the
         caller in ``wait``, or by the channel's thread after ``want_reader``)."""
         description, pieces = body
-        size = sum(p.nbytes for p in pieces)
+        size = sum(p.nbytes for p in pieces) if pieces else 0
         segment = None
-        if kind == wire.REQUEST:
+        if kind == wire.REQUEST and size:
             segment = self.agent.lend_segment(pieces, size, self.peer.id, wait=True)
-        if segment is None and self.owed() and size > 65536:
+        if segment is None and size > 65536 and self.owed():
             # someone must read replies while this thread may block sending: a peer blocked
             # sending a large reply is not reading this request
             self.want_reader()
@@ -73,7 +72,7 @@ class Channel:
                 self.pending[call_id] = future
             try:
                 wire.send_frame(self.sock, kind, call_id, description, pieces, segment)
-                if kind == wire.REQUEST:
+                if kind == wire.REQUEST or kind == wire.CALL:
                     self._requests_sent += 1
             except OSError as exc:
                 self.pending.pop(call_id, None)
@@ -89,23 +88,20 @@ class Channel:
             self._reader_wanted = True
             self._wanted.notify()
 
-    def wait(self, future: Future, deadline: float) -> bool:
-        """Read until ``future`` is done or ``deadline`` passes; False on the deadline."""
+    def wait(self, reply: Reply, deadline: float) -> bool:
+        """Read until ``reply`` is settled or ``deadline`` passes; False on the deadline."""
         if current_pool() is None:
-            return self._wait(future, deadline)
+            return self._wait(reply, deadline)
         with waiting():  # a handler waiting: its pool may run another meanwhile
-            return self._wait(future, deadline)
+            return self._wait(reply, deadline)
 
-    def _wait(self, future: Future, deadline: float) -> bool:
-        while not future.done():
+    def _wait(self, reply: Reply, deadline: float) -> bool:
+        while not reply.done():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             if not self._role.acquire(blocking=False):
-                try:  # another thread reads, and will hand the reply on
-                    future.exception(min(left, 0.05))
-                except concurrent.futures.TimeoutError:
-                    pass
+                reply.wait(min(left, 0.05))  # another thread reads, and will hand it on
                 continue
             outcome = None
             try:
@@ -115,13 +111,11 @@ class Channel:
                     outcome = self._read_one()
             finally:
                 self._role.release()
-            self._settle(outcome)
-            if self.broken is not None and not future.done():  # close() is failing it
-                try:
-                    future.exception(min(left, 0.05))
-                except concurrent.futures.TimeoutError:
-                    pass
-        if self.owed():
+            if outcome is not None:
+                self._settle(outcome)
+            if self.broken is not None:  # close() is failing it
+                reply.wait(min(left, 0.05))
+        if self._requests_sent != self._replies_read:
             self.want_reader()  # replies others wait for, or that are owed still
         return True
 
@@ -151,7 +145,7 @@ class Channel:
             if kind == wire.BYE:
                 self._said_bye = True
                 return None
-            if kind != wire.REPLY:
+            if kind != wire.REPLY and kind != wire.RESULT:
                 raise wire.FrameError(f"a frame of kind {kind} where replies come")
             self._replies_read += 1
         except (OSError, ValueError) as exc:
@@ -160,6 +154,8 @@ class Channel:
         if future is None:  # timed out meanwhile
             return None
         try:
+            if kind == wire.RESULT:
+                return ("result", future, wire.decode_result(description))
             reply = self.agent.decode(description, heap, self.peer.id, request=False)
         except Exception as exc:
             error = PluribusError(f"{self.agent.who}: a bad reply from {self.peer.name!r}: {exc}")
@@ -173,6 +169,8 @@ class Channel:
             self.close(outcome[1])
         elif outcome[0] == "failed":
             outcome[1].set_exception(outcome[2])
+        elif outcome[0] == "result":
+            outcome[1].set_result(outcome[2])
         else:
             self.agent.deliver(outcome[1], outcome[2], self.peer)
 

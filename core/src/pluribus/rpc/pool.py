@@ -52,7 +52,11 @@ class HandlerPool:
         self.name = name
         self._on_thread_start = on_thread_start
         self._jobs: deque[Callable[[], None]] = deque()
-        self._cond = threading.Condition()
+        # the counters' lock, taken bare where nobody waits (a Condition's ``with`` runs Python
+        # code: a small call passes here twice)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._draining = 0  # threads in ``drain``
         self._threads = 0
         self._idle = 0
         self._active = 0
@@ -83,36 +87,42 @@ class HandlerPool:
         """Run ``job`` on the calling thread when a place is free and nothing is queued (no
         hand-over to a pool thread); False, without running it, otherwise. ``on_wait`` is
         called if the job waits for another call."""
-        with self._cond:
-            if self._closed or self._jobs or self._active >= self.size:
-                return False
-            if self._threads + self._inline >= self.max_threads:
+        with self._lock:
+            if (
+                self._closed
+                or self._jobs
+                or self._active >= self.size
+                or self._threads + self._inline >= self.max_threads
+            ):
                 return False
             self._active += 1
             self._busy += 1
             self._inline += 1
-        _local.pool, _local.on_wait = self, on_wait
+        local = _local
+        local.pool, local.on_wait = self, on_wait
         try:
             job()
         except BaseException:  # a job reports its own errors
             pass
         finally:
-            _local.pool = _local.on_wait = None
-            with self._cond:
+            local.pool = local.on_wait = None
+            with self._lock:
                 self._active -= 1
                 self._busy -= 1
                 self._inline -= 1
-                self._cond.notify_all()
-                self._wake()
+                if self._jobs:
+                    self._wake()
+                if self._draining:
+                    self._cond.notify_all()
         return True
 
     def _leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
             self._wake()
 
     def _rejoin(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active += 1
 
     def _run(self) -> None:
@@ -148,12 +158,16 @@ class HandlerPool:
     def drain(self, deadline: float) -> bool:
         """Wait until no job is queued or running; False if ``deadline`` came first."""
         with self._cond:
-            while self._jobs or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            self._draining += 1
+            try:
+                while self._jobs or self._busy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._draining -= 1
 
     def close(self) -> None:
         """Drop queued jobs and let idle threads end; running handlers finish on their own."""

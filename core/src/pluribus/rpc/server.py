@@ -44,6 +44,8 @@ class ServerConnection:
         self._role = threading.Lock()
         self._readers = itertools.count()
         self._reading = next(self._readers)  # which thread reads now
+        #: (reading thread, start time) of the handler running on the reading thread, if any
+        self.inline_run: tuple[int, float] | None = None
 
     def start(self, token: int = 0) -> None:
         """Start reading (one thread at a time reads; see ``run_inline``)."""
@@ -57,19 +59,24 @@ class ServerConnection:
     def run_inline(self, job, token: int) -> bool:
         """Run a handler on the reading thread ``token``, saving the hand-over to a pool thread
         (the round trip of a small call). Reading goes on in another thread if the handler
-        waits for a call or outlives ``INLINE_LIMIT``. False when the pool is full."""
-        run = (self, token)
-        self.agent.inline[run] = time.monotonic()
+        waits for a call or outlives ``INLINE_LIMIT`` (``hand_over``). False when the pool is
+        full."""
+        run = (token, time.monotonic())
+        self.inline_run = run
         try:
-            return self.agent.pool.run_here(job, lambda: self.hand_over(token))
+            return self.agent.pool.run_here(job, lambda: self.hand_over(run))
         finally:
-            self.agent.inline.pop(run, None)
+            with self._role:
+                if self.inline_run is run:
+                    self.inline_run = None
 
-    def hand_over(self, token: int) -> None:
-        """If thread ``token`` still reads this connection, let a new thread read instead."""
+    def hand_over(self, run: tuple[int, float]) -> None:
+        """Let a new thread read instead of the one running the handler ``run``, if that
+        handler still runs there."""
         with self._role:
-            if self._reading != token:
+            if self.inline_run is not run or self._reading != run[0]:
                 return
+            self.inline_run = None
             self._reading = next(self._readers)
             successor = self._reading
         self.start(successor)
@@ -97,6 +104,11 @@ class ServerConnection:
                 if frame is None:
                     break
                 kind, call_id, description, heap = frame
+                if kind == wire.CALL:
+                    serve_call(self.agent, self, call_id, description, token)
+                    if not self._still_reader(token):
+                        return  # another thread reads on; this one ran a handler
+                    continue
                 if kind == wire.BYE:
                     said_bye = True
                     continue
@@ -118,7 +130,14 @@ class ServerConnection:
         if not said_bye:
             self.agent.peer_gone(self.peer, DIED)
 
-    def reply(self, call_id: int, value: Any) -> None:
+    def reply(self, call_id: int, value: Any, plain: bool = False) -> None:
+        """Send a handler's result; with ``plain`` (the call came as a ``CALL`` frame), a plain
+        value goes back as a ``RESULT`` frame."""
+        if plain:
+            description = wire.encode_result(value)
+            if description is not None:
+                self._send(wire.RESULT, call_id, (description, ()))
+                return
         try:
             body = self.agent.encode(
                 {"ok": value}, self.peer, request=False, who=self.agent.who, root="the reply"
@@ -138,7 +157,9 @@ class ServerConnection:
 
     def _send(self, kind: int, call_id: int, body) -> None:
         description, pieces = body
-        segment = self.agent.lend_segment(pieces, sum(p.nbytes for p in pieces), self.peer)
+        segment = None
+        if pieces:
+            segment = self.agent.lend_segment(pieces, sum(p.nbytes for p in pieces), self.peer)
         with self.lock:
             if self.closed:
                 if segment is not None:
@@ -176,6 +197,21 @@ def note(agent: Agent, peer: int, body: Any) -> None:
         agent.table.decref(body["rref"])
     elif body.get("op") == "segment-free" and type(body.get("serial")) is int:
         agent.segment_pool.give_back(body["serial"], peer)
+
+
+def serve_call(
+    agent: Agent, connection: ServerConnection, call_id: int, description: bytes, token: int
+) -> None:
+    """A small call (a ``CALL`` frame): an exposed function with plain arguments, run like
+    ``serve``'s calls but with nothing for the codec to do."""
+    try:
+        name, args, kwargs, timeout = wire.decode_call(description)
+        target = registry.resolve(name)
+    except Exception as exc:
+        connection.reply_error(call_id, exc)
+        return
+    expires = time.monotonic() + timeout
+    _submit(agent, connection, call_id, expires, lambda: target(*args, **kwargs), token, True)
 
 
 def serve(
@@ -242,9 +278,11 @@ def serve(
         connection.reply_error(call_id, exc)
 
 
-def _submit(agent: Agent, connection, call_id: int, expires: float, run, token=None) -> None:
+def _submit(
+    agent: Agent, connection, call_id: int, expires: float, run, token=None, plain=False
+) -> None:
     """Run a handler: on the reading thread ``token`` when given and the pool has room,
-    else on the pool."""
+    else on the pool. ``plain``: the call came as a ``CALL`` frame."""
 
     def job() -> None:
         if time.monotonic() > expires:
@@ -258,7 +296,7 @@ def _submit(agent: Agent, connection, call_id: int, expires: float, run, token=N
         except BaseException as exc:
             connection.reply_error(call_id, exc)
             return
-        connection.reply(call_id, result)
+        connection.reply(call_id, result, plain)
 
     if token is None or not connection.run_inline(job, token):
         agent.pool.submit(job)

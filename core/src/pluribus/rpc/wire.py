@@ -8,10 +8,18 @@ Between workers of one host a large heap travels in a shared-memory segment inst
 (:mod:`pluribus.rpc.segments`): the frame then carries the segment's descriptor number after
 its description, and its heap length is the segment's size.
 Every length is checked against its limit before a byte of the body is read.
+
+A small call whose arguments are all plain JSON values (None, bool, int, float, str and lists
+of them) travels as a ``CALL`` frame instead: its description is the JSON
+``[name, args, kwargs, timeout]``, with no heap and nothing for the codec to walk on either
+side, and a plain result comes back the same way, as a ``RESULT`` frame holding the value's
+JSON. Both decode to the values the codec would have given (JSON is the codec's encoding of
+these types). Everything else, and every error, uses ``REQUEST`` and ``REPLY`` frames.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 from typing import Any
@@ -28,8 +36,10 @@ IN_SEGMENT = 1
 LOCATOR = struct.Struct("<QQQ")  # the segment's file descriptor (sender's), id and serial
 
 #: Frame kinds. A request is answered by a reply with the same call id; a note is not answered.
-REQUEST, REPLY, NOTE, BYE = 1, 2, 3, 4
-KINDS = frozenset((REQUEST, REPLY, NOTE, BYE))
+#: A call (a small request in plain JSON) is answered by a result (a plain value) or a reply.
+REQUEST, REPLY, NOTE, BYE, CALL, RESULT = 1, 2, 3, 4, 5, 6
+KINDS = frozenset((REQUEST, REPLY, NOTE, BYE, CALL, RESULT))
+_PLAIN_KINDS = (CALL, RESULT)
 
 #: The largest JSON description accepted (the structure, not the arrays).
 MAX_DESCRIPTION = 64 * 2**20
@@ -55,6 +65,8 @@ def parse_header(header: bytes, max_message: int) -> tuple[int, int, int, int, i
         raise FrameError(f"unknown frame kind {kind}")
     if flags & ~IN_SEGMENT or (flags and kind not in (REQUEST, REPLY)):
         raise FrameError(f"flags {flags} on a frame of kind {kind}")
+    if heap and kind in _PLAIN_KINDS:
+        raise FrameError(f"a frame of kind {kind} with {heap} bytes of arrays (it has none)")
     if description > MAX_DESCRIPTION:
         raise FrameError(f"a description of {description} bytes (the limit is {MAX_DESCRIPTION})")
     if heap > max_message:
@@ -91,6 +103,84 @@ def encode_body(
     )
 
 
+_PLAIN = frozenset((type(None), bool, int, float, str))
+
+
+def _json_encoder():
+    """``json.dumps`` (ASCII, NaN and infinities allowed) without its cost per call: for values
+    this small, setting up an encoder costs twice the encoding. The same C encoder, made once."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return lambda value: json.dumps(value).encode()
+    encoder = make(
+        None, None, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True
+    )
+    return lambda value: "".join(encoder(value, 0)).encode()
+
+
+_encode_json = _json_encoder()
+#: ``json.loads``'s C scanner, without its sniffing of the input's encoding and whitespace.
+_scan_json = json.decoder.JSONDecoder().scan_once
+
+
+def _decode_json(data: bytes, what: str) -> Any:
+    """The JSON value that is all of ``data``; a FrameError for anything else."""
+    try:
+        text = data.decode()
+        value, end = _scan_json(text, 0)
+    except (ValueError, StopIteration, RecursionError) as exc:
+        raise FrameError(f"a malformed {what} ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if end != len(text):
+        raise FrameError(f"a malformed {what} (bytes after its JSON value)")
+    return value
+
+
+def _plain(value: Any) -> bool:
+    """Whether JSON alone carries ``value`` exactly (exact types: a float subclass such as a
+    numpy scalar, or a tuple, needs the codec to come back as what it was)."""
+    kind = type(value)
+    return kind in _PLAIN or (kind is list and all(map(_plain, value)))
+
+
+def encode_call(name: str, args: tuple, kwargs: dict, timeout: float) -> bytes | None:
+    """The description of a ``CALL`` frame; None when an argument is not plain (the call then
+    goes as a ``REQUEST``)."""
+    try:
+        if not (all(map(_plain, args)) and all(map(_plain, kwargs.values()))):
+            return None
+    except RecursionError:
+        return None
+    return _encode_json([name, args, kwargs, timeout])
+
+
+def decode_call(description: bytes) -> tuple[str, tuple, dict, float]:
+    """(name, args, kwargs, timeout) of a ``CALL`` frame; a FrameError if malformed."""
+    call = _decode_json(description, "call")
+    if type(call) is not list or len(call) != 4:
+        raise FrameError("a malformed call (not [name, args, kwargs, timeout])")
+    name, args, kwargs, timeout = call
+    if type(name) is not str or not name or len(name) > 512:
+        raise FrameError("a call whose function is not a name")
+    if type(args) is not list or type(kwargs) is not dict:
+        raise FrameError("a call whose arguments are not a list and an object")
+    if type(timeout) not in (int, float):
+        raise FrameError("a call without a timeout")
+    return name, tuple(args), kwargs, timeout
+
+
+def encode_result(value: Any) -> bytes | None:
+    """The description of a ``RESULT`` frame; None when ``value`` is not plain."""
+    try:
+        return _encode_json(value) if _plain(value) else None
+    except RecursionError:
+        return None
+
+
+def decode_result(description: bytes) -> Any:
+    """The value of a ``RESULT`` frame; a FrameError if it is not JSON."""
+    return _decode_json(description, "result")
+
+
 def send_frame(
     sock: socket.socket,
     kind: int,
@@ -102,6 +192,9 @@ def send_frame(
     """Write one frame; the caller holds the connection's send lock. With ``segment`` (the
     file descriptor, id and serial of a segment holding the pieces), only its locator follows the
     description."""
+    if not pieces and segment is None:  # a small frame: one write, no bookkeeping
+        sock.sendall(HEADER.pack(MAGIC, kind, 0, call_id, len(description), 0) + description)
+        return
     heap = sum(p.nbytes for p in pieces)
     flags = 0 if segment is None else IN_SEGMENT
     header = HEADER.pack(MAGIC, kind, flags, call_id, len(description), heap)
@@ -184,6 +277,8 @@ class FrameReader:
             else:
                 description = bytes(self._read_into(np.empty(description_size, np.uint8)))
         if not flags & IN_SEGMENT:
+            if not heap_size:
+                return kind, call_id, description, b""
             return kind, call_id, description, self._read_into(np.empty(heap_size, np.uint8))
         if not self._fill(LOCATOR.size):
             raise ConnectionError("the connection closed inside a message")
