@@ -1,10 +1,11 @@
 """Pipeline schedules on the GPT over gloo processes: measured bubble against the simulator's
-prediction from the measured per-action times, and the activation ledger of GPipe and 1F1B.
+prediction from the measured per-action times, and the activation ledger of each schedule.
 
     python benchmarks/pipeline_bubble.py --ranks 2 4 --out benchmarks/results/pipeline-<stamp>
 
 The schedules take turns, one step each, so that their k-th steps ran under the same load and
-ZeroBubble's bubble is compared with 1F1B's step by step. For each schedule: warm-up steps, then
+the bubbles of ZeroBubble (ZB-H1) and ZBV (ZB-V) are compared with 1F1B's, and ZBV's with
+ZeroBubble's, step by step. For each schedule: warm-up steps, then
 ``--steps`` measured steps; each step's events are gathered from every rank, its bubble
 measured (the part of the step in which a rank computes nothing, averaged over ranks) and
 simulated from that same step's action times, with one median message latency and with each
@@ -44,6 +45,9 @@ def _config(args):
         tie_weights=False,
     )
 
+
+#: Stages per rank of the schedules that take more than one (the model is cut into p v stages).
+STAGES_PER_RANK = {"Interleaved1F1B": 2, "ZBV": 2}
 
 #: glibc settings per ``--allocators`` choice: ``retain`` serves every temporary from memory
 #: already faulted in instead of a fresh ``mmap`` (numpy frees its temporaries at once).
@@ -136,7 +140,7 @@ def run_schedules(names: list[str], m: int, steps: int, warmup: int, args_dict: 
     p, rank = dist.get_world_size(), dist.get_rank()
     runs = {}
     for name in names:
-        v = 2 if name == "Interleaved1F1B" else 1
+        v = STAGES_PER_RANK.get(name, 1)
         rng = np.random.default_rng(0)
         model, parts, loss_fn = _split_model(args, p * v, rng)
         if args.model == "gpt":
@@ -146,7 +150,8 @@ def run_schedules(names: list[str], m: int, steps: int, warmup: int, args_dict: 
             c = args.embd
             idx = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
             tgt = rng.normal(size=(args.microbatch * m, c)).astype(np.float32)
-        stages = [pp.PipelineStage(parts[s], s, p * v) for s in range(p * v) if s % p == rank]
+        placed = pp.build(name, p, m, v).stages_of(rank)  # ZB-V's V: stages r and 2p - 1 - r
+        stages = [pp.PipelineStage(parts[s], s, p * v) for s in placed]
         schedule = pp.SCHEDULE_CLASSES[name](stages, m, loss_fn)
         runs[name] = (model, stages, schedule, idx, tgt)
     out: dict[str, list] = {name: [] for name in names}
@@ -199,7 +204,7 @@ def analyse(
     from pluribus.parallel import pipeline as pp
     from pluribus.parallel.pipeline.simulator import Event
 
-    v = 2 if name == "Interleaved1F1B" else 1
+    v = STAGES_PER_RANK.get(name, 1)
     program = pp.build(name, p, m, v)
     rows = []
     for k, step in enumerate(result_per_rank[0]["steps"]):
@@ -258,6 +263,16 @@ def analyse(
     }
 
 
+#: Measured bubbles compared step by step: (numerator, denominator).
+BUBBLE_RATIOS = [("ZeroBubble", "1F1B"), ("ZBV", "1F1B"), ("ZBV", "ZeroBubble")]
+#: Schedules whose activation ledger is measured at each ``--memory-m``.
+MEMORY_SCHEDULES = ["GPipe", "1F1B", "ZeroBubble", "ZBV"]
+
+
+def pairs_of(rows: dict, top: str, bottom: str):
+    return zip(rows[top]["steps"], rows[bottom]["steps"], strict=True)
+
+
 def _profile_on_rank(num_stages: int, args_dict: dict) -> dict:
     return profile_layers(argparse.Namespace(**args_dict), num_stages)
 
@@ -266,7 +281,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument(
-        "--schedules", nargs="+", default=["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble"]
+        "--schedules",
+        nargs="+",
+        default=["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"],
     )
     parser.add_argument("--m", type=int, default=0, help="micro-batches (default 2p)")
     parser.add_argument("--memory-m", type=int, nargs="*", default=[4, 8, 16])
@@ -292,7 +309,7 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "profile": [],
         "bubble": [],
-        "zb_over_1f1b": [],
+        "bubble_ratios": [],
         "memory": [],
     }
     for allocator in args.allocators:
@@ -327,19 +344,33 @@ def main() -> None:
                         f"{row['best_step']['costs_ms']}",
                         flush=True,
                     )
-                if "ZeroBubble" in rows and "1F1B" in rows:
-                    pairs = zip(rows["ZeroBubble"]["steps"], rows["1F1B"]["steps"], strict=True)
-                    ratios = [z["measured_bubble"] / o["measured_bubble"] for z, o in pairs]
-                    report["zb_over_1f1b"].append(
-                        {"allocator": allocator, "p": p, "m": m, "per_step": ratios}
+                for top, bottom in BUBBLE_RATIOS:
+                    if top not in rows or bottom not in rows:
+                        continue
+                    ratios = [
+                        z["measured_bubble"] / o["measured_bubble"]
+                        for z, o in pairs_of(rows, top, bottom)
+                    ]
+                    steps = [z["step_s"] / o["step_s"] for z, o in pairs_of(rows, top, bottom)]
+                    report["bubble_ratios"].append(
+                        {
+                            "allocator": allocator,
+                            "p": p,
+                            "m": m,
+                            "ratio": f"{top}/{bottom}",
+                            "per_step": ratios,
+                            "step_time_per_step": steps,
+                        }
                     )
                     print(
-                        f"[{allocator}] p={p} m={m} ZeroBubble / 1F1B measured bubble, step by "
+                        f"[{allocator}] p={p} m={m} {top} / {bottom} measured bubble, step by "
                         f"step: median {statistics.median(ratios):.2f}, "
-                        f"{[round(x, 2) for x in ratios]}",
+                        f"{[round(x, 2) for x in ratios]}; step time median "
+                        f"{statistics.median(steps):.2f}",
                         flush=True,
                     )
-                for name in ("GPipe", "1F1B", "ZeroBubble") if args.memory_m else ():
+                memory_schedules = [n for n in MEMORY_SCHEDULES if n in args.schedules]
+                for name in memory_schedules if args.memory_m else ():
                     for mm in args.memory_m:
                         result = pool.run(run_schedules, [name], mm, 1, 1, vars(args))
                         peaks = [r[name]["steps"][0]["peak_bytes"] for r in result]

@@ -45,25 +45,36 @@ def reference(m: int, steps: int = 2, lr: float = 0.1):
     return results
 
 
-def stages_on_rank(model: nn.Sequential, p: int, v: int, group=None) -> list[pp.PipelineStage]:
-    """Stage s holds BLOCKS / (p v) consecutive blocks and lives on rank s % p."""
+#: Stages per rank of the schedules that take more than one.
+STAGES_PER_RANK = {"Interleaved1F1B": 2, "ZBV": 2}
+
+
+def last_stage_rank(name: str, p: int) -> int:
+    """ZB-V's V brings the last stage back to rank 0; the others end on rank p - 1."""
+    return 0 if name == "ZBV" else p - 1
+
+
+def stages_on_rank(
+    model: nn.Sequential, p: int, v: int, group=None, name: str | None = None
+) -> list[pp.PipelineStage]:
+    """Stage s holds BLOCKS / (p v) consecutive blocks and lives on rank s % p (on the rank
+    ZB-V's V gives it when ``name`` is "ZBV")."""
     n = p * v
     per = BLOCKS // n
     rank = dist.get_rank(group)
     blocks = list(model)
+    mine = pp.build("ZBV", p, 1).stages_of(rank) if name == "ZBV" else range(rank, n, p)
     return [
         pp.PipelineStage(nn.Sequential(*blocks[s * per : (s + 1) * per]), s, n, group=group)
-        for s in range(n)
-        if s % p == rank
+        for s in mine
     ]
 
 
 def pipeline_train_on_rank(name: str, m: int, steps: int = 2, lr: float = 0.1):
     """The pipeline's losses, output and gradients of this rank's parameters, per step."""
     p = dist.get_world_size()
-    v = 2 if name == "Interleaved1F1B" else 1
     model = blocks_model()
-    stages = stages_on_rank(model, p, v)
+    stages = stages_on_rank(model, p, STAGES_PER_RANK.get(name, 1), name=name)
     schedule = pp.SCHEDULE_CLASSES[name](stages, m, nn.MSELoss())
     params = [q for s in stages for q in s.module.parameters()]
     opt = nn.SGD(params, lr=lr)
@@ -71,7 +82,7 @@ def pipeline_train_on_rank(name: str, m: int, steps: int = 2, lr: float = 0.1):
     results = []
     for x, y in batches(m, steps):
         losses: list = []
-        first, last = dist.get_rank() == 0, dist.get_rank() == p - 1
+        first, last = dist.get_rank() == 0, dist.get_rank() == last_stage_rank(name, p)
         out = schedule.step(
             x if first else None, target=y if last else None, losses=losses if last else None
         )
@@ -82,20 +93,21 @@ def pipeline_train_on_rank(name: str, m: int, steps: int = 2, lr: float = 0.1):
     return results
 
 
-def check_parity(results_per_rank, m: int, steps: int = 2) -> None:
+def check_parity(results_per_rank, m: int, steps: int = 2, name: str = "") -> None:
     """Each step: the mean of the micro-batch losses is the whole batch's loss, the output is
     the whole batch's, and every parameter's gradient is the single process's."""
     expected = reference(m, steps)
     p = len(results_per_rank)
+    last = last_stage_rank(name, p)
     for step, (loss, out, grads) in enumerate(expected):
-        got_losses, got_out, _ = results_per_rank[p - 1][step]
+        got_losses, got_out, _ = results_per_rank[last][step]
         assert len(got_losses) == m
         np.testing.assert_allclose(np.mean(got_losses), loss, rtol=1e-12)
         np.testing.assert_allclose(got_out, out, rtol=1e-12, atol=1e-14)
         merged = {}
         for rank_results in results_per_rank:
             merged.update(rank_results[step][2])
-            if rank_results is not results_per_rank[p - 1]:
+            if rank_results is not results_per_rank[last]:
                 assert rank_results[step][1] is None  # only the last stage returns outputs
         assert sorted(merged) == sorted(grads), "every parameter lives on exactly one rank"
         for name, g in grads.items():
@@ -167,7 +179,7 @@ def pipeline_ddp_on_rank(name: str, m: int):
 def traced_step_on_rank(name: str, m: int):
     """One step; every rank's events, this rank's activation ledger, and the program."""
     p = dist.get_world_size()
-    stages = stages_on_rank(blocks_model(), p, 1)
+    stages = stages_on_rank(blocks_model(), p, STAGES_PER_RANK.get(name, 1), name=name)
     schedule = pp.SCHEDULE_CLASSES[name](stages, m, nn.MSELoss())
     x, y = batches(m, 1)[0]
     schedule.step(x, target=y)

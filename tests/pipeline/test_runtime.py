@@ -4,7 +4,13 @@ refused before the step; a stage failing mid-step reaches every rank without a h
 import numpy as np
 import pluribus as dist
 import pytest
-from pipeline_cases import blocks_model, check_parity, pipeline_train_on_rank, stages_on_rank
+from pipeline_cases import (
+    STAGES_PER_RANK,
+    blocks_model,
+    check_parity,
+    pipeline_train_on_rank,
+    stages_on_rank,
+)
 from pluribus import nn
 from pluribus.parallel import pipeline as pp
 from pluribus.testing import RankPool, RanksFailed, require_backend, run_ranks
@@ -18,7 +24,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_blas_thread
 def test_every_schedule_equals_one_process_on_threads(name, p, which_m):
     m = {"1": 1, "p": p, "2p+1": 2 * p + 1}[which_m]
     results = run_ranks(pipeline_train_on_rank, p, args=(name, m), timeout=60)
-    check_parity(results, m)
+    check_parity(results, m, name=name)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +44,18 @@ def gloo_pool():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "name,p,m", [("1F1B", 2, 5), ("Interleaved1F1B", 2, 2), ("ZeroBubble", 4, 9), ("GPipe", 4, 1)]
+    "name,p,m",
+    [
+        ("1F1B", 2, 5),
+        ("Interleaved1F1B", 2, 2),
+        ("ZeroBubble", 4, 9),
+        ("GPipe", 4, 1),
+        ("ZBV", 2, 5),
+        ("ZBV", 4, 9),
+    ],
 )
 def test_schedules_on_gloo_processes_equal_one_process(gloo_pool, name, p, m):
-    check_parity(gloo_pool(p).run(pipeline_train_on_rank, name, m), m)
+    check_parity(gloo_pool(p).run(pipeline_train_on_rank, name, m), m, name=name)
 
 
 # -- bad input, refused before anything runs ------------------------------------------------------
@@ -73,6 +87,16 @@ def test_a_stage_count_that_does_not_match_the_group_is_refused_on_every_rank():
     for rank, text in errors.items():
         assert f"rank {rank} (stage {rank}): Schedule1F1B cannot place 3 stages" in text
         assert "it needs one stage per rank (2 stages)" in text
+
+
+def _zbv_with_one_stage_per_rank():
+    pp.ScheduleZBVZeroBubble(stages_on_rank(blocks_model(), 2, 1), 4, nn.MSELoss())
+
+
+def test_zbv_with_one_stage_per_rank_says_it_needs_two():
+    for rank, text in _errors(_zbv_with_one_stage_per_rank).items():
+        assert f"rank {rank} (stage {rank}): ScheduleZBVZeroBubble cannot place 2 stages" in text
+        assert "it needs two stages per rank (4 stages)" in text
 
 
 def _widths_disagree():
@@ -186,7 +210,7 @@ class Boom(nn.Module):
 
 def _failing_stage(name, bad_stage, where):
     p = dist.get_world_size()
-    stages = stages_on_rank(blocks_model(), p, 1)
+    stages = stages_on_rank(blocks_model(), p, STAGES_PER_RANK.get(name, 1), name=name)
     for s in stages:
         if s.stage_index == bad_stage:
             s.module = nn.Sequential(*list(s.module), Boom(1, where))
@@ -212,6 +236,17 @@ def test_a_stage_raising_mid_step_reaches_every_rank_naming_it(name, bad_stage, 
         assert f"stage {bad_stage} (rank {bad_stage}) raised" in text, text
         assert f"during {during}: boom" in text, text
         if rank != bad_stage:
+            assert "on another rank" in text
+
+
+def test_a_zbv_stage_raising_reaches_every_rank_naming_it():
+    """Stage 6 of 8 lives on rank 1 with stage 1; its W fails after every forward has run."""
+    errors = _errors(_failing_stage, 4, "ZBV", 6, "weight")
+    assert sorted(errors) == [0, 1, 2, 3]
+    for rank, text in errors.items():
+        assert text.startswith("PipelineError: pipeline step failed"), text
+        assert "stage 6 (rank 1) raised FloatingPointError during 6W0: boom" in text, text
+        if rank != 1:
             assert "on another rank" in text
 
 

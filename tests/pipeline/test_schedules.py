@@ -55,12 +55,17 @@ def test_unit_cost_bubble_equals_the_closed_form(name, p, v, m):
     sim = simulate(build(name, p, m, v))
     # unit costs are small integers, so the simulated times are exact
     measured = Fraction(sum(sim.step_time - b for b in sim.busy)) / Fraction(p * sim.step_time)
-    expected = Fraction(p - 1, {"Interleaved1F1B": v * m, "ZeroBubble": 3 * m}.get(name, m) + p - 1)
+    work = {"Interleaved1F1B": v * m, "ZeroBubble": 3 * m, "ZBV": 6 * m}.get(name, m)
+    expected = Fraction(p - 1, work + p - 1)
     assert abs(bubble_closed_form(name, p, m, v) - float(expected)) < 1e-15
     if name == "ZeroBubble" and m < p:
         # too few micro-batches to fill the pipeline: better than 1F1B, not the closed form
         one_f_one_b = simulate(build("1F1B", p, m))
         assert sim.step_time <= one_f_one_b.step_time
+    elif name == "ZBV" and m < 2 * p - 1:
+        # too few to fill the V: no slower than ZB-H1 on the same model (stages twice as long)
+        zb_h1 = simulate(build("ZeroBubble", p, m), {"F": 2, "I": 2, "W": 2})
+        assert sim.step_time <= zb_h1.step_time
     else:
         assert measured == expected, (name, p, v, m, sim)
 
@@ -73,6 +78,23 @@ def test_activation_memory_1f1b_at_most_p_gpipe_grows_with_m(p, m):
     zb = simulate(build("ZeroBubble", p, m))
     assert zb.peak_in_flight == [min(p - r, m) for r in range(p)]  # the same as 1F1B
     assert all(w <= 2 * p - r - 1 for r, w in enumerate(zb.peak_waiting_w))
+    # ZB-V: 2p half-size stages' micro-batches from forward to W, 1F1B's rank 0, on every rank
+    zbv_peaks = peak_before_weight_grad(build("ZBV", p, m))
+    assert all(k <= min(2 * p, 2 * m) for k in zbv_peaks)
+    if m >= 2 * p:
+        assert zbv_peaks == [2 * p] * p
+
+
+def peak_before_weight_grad(program: Program) -> list[int]:
+    """Per rank, the most micro-batches (of any of its stages) between forward and W or B."""
+    peaks = []
+    for actions in program.actions:
+        held = peak = 0
+        for a in actions:
+            held += {"F": 1, "W": -1, "B": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
 
 
 @settings(max_examples=40, deadline=None)
@@ -204,3 +226,30 @@ def test_zero_bubble_for_measured_costs_leaves_exactly_the_zb_h1_bubble(p, extra
     one_f_one_b = simulate(build("1F1B", p, m), {"F": f, "B": i + w})
     assert zb.step_time == m * (f + i + w) + (p - 1) * (f + i - w)
     assert one_f_one_b.step_time == m * (f + i + w) + (p - 1) * (f + i + w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    p=st.integers(1, 8),
+    m=st.integers(1, 24),
+    f=st.integers(1, 6),
+    i=st.integers(1, 6),
+    data=st.data(),
+)
+def test_zbv_for_any_costs_is_valid_keeps_1f1b_memory_and_beats_zb_h1(p, m, f, i, data):
+    """ZB-V ordered for integer costs (each of its stages half a 1F1B stage): the checker
+    accepts it, no rank holds more than 2p micro-batches before their W, the step is never
+    longer than 1F1B's on the same model, and, with W no longer than F and I and the V full
+    (m >= 2p - 1), never longer than ZB-H1's exact (p - 1)(F + I - W) idle."""
+    w = data.draw(st.integers(1, 6))
+    costs = {"F": f, "I": i, "W": w}
+    program = build("ZBV", p, m, costs=costs)
+    sim = simulate(program, costs)  # runs the checker
+    assert program.stage_to_rank == tuple(list(range(p)) + list(reversed(range(p))))
+    assert max(peak_before_weight_grad(program)) <= 2 * p
+    one_f_one_b = simulate(build("1F1B", p, m), {"F": 2 * f, "B": 2 * (i + w)})
+    assert sim.step_time <= one_f_one_b.step_time
+    if w <= min(f, i) and m >= 2 * p - 1:
+        assert sim.step_time <= 2 * m * (f + i + w) + 2 * (p - 1) * (f + i - w)
+    unit = simulate(build("ZBV", p, m), costs)
+    assert sim.step_time <= unit.step_time  # the order built for the costs is kept if better

@@ -43,6 +43,17 @@ def test_measured_timeline_matches_the_program_and_writes_a_perfetto_file(tmp_pa
     assert {e["name"] for e in spans} >= {"0F0", "3B5", "1SEND_B0", "2RECV_F5"}
 
 
+def test_a_zbv_run_holds_what_the_simulator_says_and_runs_its_program_in_order():
+    p, m = 2, 5
+    events, _, _, program = run_ranks(traced_step_on_rank, p, args=("ZBV", m), timeout=60)[0]
+    assert program.stages_of(0) == [0, 3] and program.stages_of(1) == [1, 2]
+    run = pp.measured(events)
+    assert run.peak_in_flight == pp.simulate(program).peak_in_flight == [2 * p] * p
+    for rank in range(p):
+        ran = [e.action for e in sorted(events, key=lambda e: e.start) if e.rank == rank]
+        assert ran == program.actions[rank]
+
+
 @pytest.mark.parametrize("m", [2, 8])
 def test_activation_ledger_1f1b_stays_at_p_while_gpipe_grows_with_m(m):
     p = 2

@@ -2,7 +2,7 @@
 through them by a schedule that is plain data you can print, check and simulate before running.
 
 * :mod:`.schedules`: actions, programs and the built-in schedules (GPipe, 1F1B, interleaved
-  1F1B, ZB-H1) as per-rank action lists.
+  1F1B, ZB-H1, ZB-V) as per-rank action lists.
 * :mod:`.checker`: proves a program completes (matched sends, no wait-for cycle).
 * :mod:`.simulator`: step time, bubble and in-flight activations from per-action costs.
 * :mod:`.stage` and :mod:`.runtime`: :class:`PipelineStage` and the schedule classes that
@@ -21,6 +21,7 @@ from .runtime import (
     ScheduleFromProgram,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
 )
 from .schedules import (
@@ -32,6 +33,7 @@ from .schedules import (
     interleaved_1f1b,
     one_f_one_b,
     with_communication,
+    zbv,
     zero_bubble,
 )
 from .simulator import UNIT_COSTS, Event, Simulation, bubble_closed_form, simulate
@@ -71,6 +73,7 @@ __all__ = [
     "ScheduleFromProgram",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleZBVZeroBubble",
     "ScheduleZeroBubble",
     "SCHEDULES",
     "UNIT_COSTS",
@@ -89,5 +92,6 @@ __all__ = [
     "one_f_one_b",
     "simulate",
     "with_communication",
+    "zbv",
     "zero_bubble",
 ]

@@ -88,15 +88,17 @@ class PipelineSchedule:
         where = f"rank {self.rank} ({', '.join(f'stage {s.stage_index}' for s in self.stages)})"
         if program is None:
             per_rank, extra = divmod(num_stages, world)
-            if extra or (per_rank > 1) != (self.schedule_name == "Interleaved1F1B"):
+            fits, needs = {
+                "Interleaved1F1B": (
+                    per_rank > 1,
+                    f"a multiple of {world} stages, {2 * world} or more",
+                ),
+                "ZBV": (per_rank == 2, f"two stages per rank ({2 * world} stages)"),
+            }.get(self.schedule_name, (per_rank == 1, f"one stage per rank ({world} stages)"))
+            if extra or not fits:
                 raise ValueError(
                     f"{where}: {type(self).__name__} cannot place {num_stages} stages on a "
-                    f"pipeline group of {world} ranks; "
-                    + (
-                        f"it needs a multiple of {world} stages, {world * 2} or more"
-                        if self.schedule_name == "Interleaved1F1B"
-                        else f"it needs one stage per rank ({world} stages)"
-                    )
+                    f"pipeline group of {world} ranks; it needs {needs}"
                 )
             program = build(self.schedule_name, world, n_microbatches, per_rank)
         if program.num_ranks != world or program.num_microbatches != n_microbatches:
@@ -429,6 +431,13 @@ class ScheduleZeroBubble(PipelineSchedule):
     schedule_name = "ZeroBubble"
 
 
+class ScheduleZBVZeroBubble(PipelineSchedule):
+    """ZB-V: two stages per rank in a V (rank r: stages r and 2p - 1 - r), split backward; about
+    half ZB-H1's bubble at 1F1B's activation memory (modules need split backward)."""
+
+    schedule_name = "ZBV"
+
+
 class ScheduleFromProgram(PipelineSchedule):
     """A user-written :class:`Program` (checked by the same checker before it runs)."""
 
@@ -442,4 +451,5 @@ SCHEDULE_CLASSES: dict[str, Callable[..., PipelineSchedule]] = {
     "1F1B": Schedule1F1B,
     "Interleaved1F1B": ScheduleInterleaved1F1B,
     "ZeroBubble": ScheduleZeroBubble,
+    "ZBV": ScheduleZBVZeroBubble,
 }

@@ -352,12 +352,172 @@ def _zero_bubble_order(p: int, m: int, cost: Mapping[str, float]) -> Program:
     return with_communication(Program("ZeroBubble", m, tuple(range(p)), lists))
 
 
+def zbv(num_ranks: int, num_microbatches: int, costs: Mapping[str, float] | None = None) -> Program:
+    """ZB-V (Qi et al., 2024, "Pipeline parallelism with controllable memory"): ``2p`` stages in
+    a V, rank ``r`` holding stages ``r`` and ``2p - 1 - r``, backward split into ``I`` and ``W``.
+
+    The V puts the first and the last stage on rank 0, so a micro-batch's gradient starts back
+    where its forward began, and every rank holds at most ``2p`` half-size stages' micro-batches
+    between forward and ``W``: the activation memory of 1F1B's rank 0, on every rank. At unit
+    costs (per stage, each half of a 1F1B stage) and ``m >= 2p - 1`` the only idle time is the
+    ``p - 1`` forwards before the last rank starts: the bubble is ``(p - 1)/(6m + p - 1)``,
+    about half of ZB-H1's on the same model.
+
+    Candidate orders are built and the one with the shortest simulated step under ``costs``
+    (unit costs by default) is kept: the paper's fixed pattern (warm-up, ``F I W`` of each
+    stage in turn, cool-down), optimal at unit costs once the V is full, and a policy run on a
+    clock (a forward when its input is there and the memory allows, else an input gradient,
+    else the oldest ``W``) at unit costs and at ``costs``, which does better with few
+    micro-batches or uneven costs.
+    """
+    _check_sizes("ZBV", num_ranks, num_microbatches)
+    cost = {F: 1.0, I: 1.0, W: 1.0, **(costs or {})}
+    if any(cost[k] <= 0 for k in (F, I, W)):
+        raise ValueError(f"ZBV: costs must be positive, got {dict(costs or {})}")
+    from .simulator import simulate  # the simulator imports this module
+
+    p, m = num_ranks, num_microbatches
+    if costs is None and m >= 2 * p - 1:
+        # optimal: the last rank cannot start before p - 1 forwards and has 6m units of work
+        return _zbv_pattern(p, m)
+    orders = [_zbv_pattern(p, m), _zbv_clocked(p, m, {F: 1.0, I: 1.0, W: 1.0})]
+    if costs is not None:
+        orders.append(_zbv_clocked(p, m, cost))
+    return min(orders, key=lambda program: simulate(program, cost).step_time)  # first if tied
+
+
+def _v_placement(p: int) -> tuple[int, ...]:
+    """Stage s lives on rank s for s < p, on rank 2p - 1 - s after: down and back up a V."""
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+def _zbv_pattern(p: int, m: int) -> Program:
+    """The paper's ZB-V order, written for ``max(m, 2p - 1)`` micro-batches, the fewest that
+    fill the V; the actions of micro-batches past ``m`` are then dropped (the order stays
+    valid, the checker proves it)."""
+    n = max(m, 2 * p - 1)
+    lists = [[a for a in _zbv_pattern_of_rank(p, r, n) if a.microbatch < m] for r in range(p)]
+    return with_communication(Program("ZBV", m, _v_placement(p), lists))
+
+
+def _zbv_pattern_of_rank(p: int, r: int, n: int) -> list[Action]:
+    """Rank r's actions for its stages ``down = r`` and ``up = 2p - 1 - r``, n micro-batches."""
+    down, up = r, 2 * p - 1 - r
+    count = {(s, k): 0 for s in (down, up) for k in (F, I, W)}
+    acts: list[Action] = []
+
+    def run(stage: int, kind: str) -> None:
+        acts.append(Action(stage, kind, count[(stage, kind)]))
+        count[(stage, kind)] += 1
+
+    for _ in range(2 * (p - r) - 1):  # warm-up: fill the down stage ...
+        run(down, F)
+    for _ in range(r):  # ... then both, as the first micro-batches come back up
+        run(up, F)
+        run(down, F)
+    for _ in range(p - r):
+        for kind in (F, I, W):
+            run(up, kind)
+    while count[(up, F)] < count[(down, F)] or count[(down, F)] < n:  # steady state
+        if count[(down, F)] < n:
+            run(down, F)
+        run(down, I)
+        run(down, W)
+        for kind in (F, I, W):
+            run(up, kind)
+    for _ in range(r):  # cool-down: input gradients first, weight gradients fill the gaps
+        run(down, I)
+        run(up, I)
+    for _ in range(p - r):
+        run(down, I)
+        run(down, W)
+    for stage in (up, down):
+        while count[(stage, W)] < count[(stage, I)]:
+            run(stage, W)
+    return acts
+
+
+def _zbv_clocked(p: int, m: int, cost: Mapping[str, float]) -> Program:
+    """ZB-V's order from a policy run on a clock with durations ``cost``: on each rank, a
+    forward when its input is there and fewer than ``2p`` micro-batches wait for their ``W``
+    (the up stage first; the down stage keeps one place free for it), else an input gradient
+    when its gradient is there (the down stage first), else the oldest pending ``W``."""
+    never = float("inf")
+    placement = _v_placement(p)
+    last = 2 * p - 1
+    f_end = [[never] * m for _ in range(2 * p)]  # when each forward ends, per stage
+    i_end = [[never] * m for _ in range(2 * p)]
+    next_f, next_i = [0] * (2 * p), [0] * (2 * p)
+    lists: list[list[Action]] = [[] for _ in range(p)]
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    before_w = [0] * p  # forward done, weight gradient not yet (both stages)
+    down_before_i = [0] * p  # forward of the down stage done, input gradient not yet
+    clock = [0.0] * p
+    done = [False] * p
+
+    def ready_forward(r: int, t: float) -> int | None:
+        if before_w[r] >= 2 * p:
+            return None
+        for s in (last - r, r):
+            mb = next_f[s]
+            room = s != r or down_before_i[r] < 2 * p - 1
+            if mb < m and room and (s == 0 or f_end[s - 1][mb] <= t):
+                return s
+        return None
+
+    def ready_input_grad(t: float, r: int) -> int | None:
+        for s in (r, last - r):
+            mb = next_i[s]
+            if mb < m and f_end[s][mb] <= t and (s == last or i_end[s + 1][mb] <= t):
+                return s
+        return None
+
+    def act(r: int, t: float) -> bool:
+        """Run rank r's next action at time t if one is ready."""
+        if (s := ready_forward(r, t)) is not None:
+            kind, mb = F, next_f[s]
+            f_end[s][mb] = t + cost[F]
+            next_f[s] += 1
+            before_w[r] += 1
+            down_before_i[r] += s == r
+        elif (s := ready_input_grad(t, r)) is not None:
+            kind, mb = I, next_i[s]
+            i_end[s][mb] = t + cost[I]
+            next_i[s] += 1
+            down_before_i[r] -= s == r
+            pending_w[r].append((s, mb))
+        elif pending_w[r]:
+            kind, (s, mb) = W, pending_w[r].pop(0)
+            before_w[r] -= 1
+        else:
+            return False
+        lists[r].append(Action(s, kind, mb))
+        clock[r] = t + cost[kind]
+        done[r] = len(lists[r]) == 6 * m
+        return True
+
+    while not all(done):
+        t = min(clock[r] for r in range(p) if not done[r])
+        moved = [act(r, t) for r in range(p) if not done[r] and clock[r] == t]
+        if not any(moved):  # the ranks at t wait: move them to the next time anything ends
+            later = [c for c in clock if c > t] + [
+                e for rows in (f_end, i_end) for row in rows for e in row if t < e < never
+            ]
+            if not later:  # the policy always progresses; this guards against a bug
+                raise RuntimeError(f"ZBV: no order found for p={p}, m={m}")
+            for r in range(p):
+                if not done[r] and clock[r] == t:
+                    clock[r] = min(later)
+    return with_communication(Program("ZBV", m, placement, lists))
+
+
 #: The built-in schedules by name (see :func:`build`).
 SCHEDULES = {
     "GPipe": gpipe,
     "1F1B": one_f_one_b,
     "Interleaved1F1B": interleaved_1f1b,
     "ZeroBubble": zero_bubble,
+    "ZBV": zbv,
 }
 
 
@@ -368,11 +528,16 @@ def build(
     stages_per_rank: int = 1,
     costs: Mapping[str, float] | None = None,
 ) -> Program:
-    """The built-in schedule ``name`` as a program (``costs``: ZeroBubble's, see there)."""
+    """The built-in schedule ``name`` as a program (``costs``: ZeroBubble's and ZBV's, see
+    there). ``stages_per_rank`` is Interleaved1F1B's ``v``; ZBV always takes 2."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
     if name == "Interleaved1F1B":
         return interleaved_1f1b(num_ranks, stages_per_rank, num_microbatches)
+    if name == "ZBV":
+        if stages_per_rank not in (1, 2):  # 1: the default of every other schedule
+            raise ValueError(f"ZBV runs exactly 2 stages per rank, got {stages_per_rank}")
+        return zbv(num_ranks, num_microbatches, costs)
     if stages_per_rank != 1:
         raise ValueError(f"{name} runs one stage per rank; use Interleaved1F1B for more")
     if name == "ZeroBubble":
