@@ -1,6 +1,7 @@
 """The watcher that names a dead rank (``pluribus_mpi.deathwatch``), without MPI: two stand-in
-ranks connect, one says goodbye and one is killed; the watcher names only the killed one, refuses
-a connection from a process that is not a rank, and exits once both are gone."""
+ranks connect and hold their mutexes, one says goodbye and one is killed; the watcher names only
+the killed one, refuses a connection from a process that is not a rank, and exits once both are
+gone."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ import sys
 import pytest
 
 RANK = """
-import socket, sys, time
+import sys, threading
+from pluribus_mpi import deathwatch
+
 sys.stdin.readline()
-s = socket.socket(socket.AF_UNIX)
-s.connect(bytes.fromhex(sys.argv[1]))
+assert deathwatch.connect(bytes.fromhex(sys.argv[1]))
 print("connected", flush=True)
+sys.stdin.readline()
 if sys.argv[2] == "bye":
-    sys.stdin.readline()
-    s.sendall(b"bye")
+    deathwatch.farewell(deathwatch.GOODBYE)
 else:
-    time.sleep(60)
+    threading.Event().wait()
 """
 
 

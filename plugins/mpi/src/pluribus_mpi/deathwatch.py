@@ -6,18 +6,28 @@ one PID, often not the dead rank's; a thread in a surviving rank seldom runs bef
 too. The watcher is not a process mpiexec started, and it has a session of its own (mpiexec
 kills each rank's session), so it outlives the ranks. The first rank of each host starts it
 (``python -m pluribus_mpi.deathwatch``) with a listening Unix socket and the pid of every rank
-of the host; every rank connects. A rank that ends normally sends ``bye`` first; one that says
-itself why it ends (an uncaught exception, MPI_Abort) sends ``end``, after which the watcher
-stays quiet about the ranks mpiexec kills. The first connection that closes without either is
-a rank that died: the watcher prints its rank, pid, host and time (to compare hosts) on its
-standard error, which mpiexec shows before its own summary, and exits when every rank of its
-host has gone. Connections from other processes are refused (the kernel gives their pid, which
-is not a rank's). ``PLURIBUS_MPI_DEATHWATCH=0`` turns it off.
+of the host; every rank connects (the kernel gives the peer's pid: other processes are refused).
+A rank that ends normally sends ``bye`` first; one that says itself why it ends (an uncaught
+exception, MPI_Abort) sends ``end``, after which the watcher stays quiet about the ranks
+mpiexec kills. A connection that closes without either is a rank that died.
+
+Which died *first* is not the order in which connections close: a rank's sockets close only
+after its memory is torn down, and by then MPICH may have made a survivor abort (a copy from the
+dead rank's memory fails) and mpiexec killed the rest. So each rank's main thread also holds a
+robust mutex in memory it shares with the watcher (a memfd passed over the socket), whose
+threads wait on them: the kernel releases a dead thread's robust mutexes as the very first step
+of tearing its memory down, before another rank can notice, and the watcher blames the rank
+whose mutex came back first. It prints the rank,
+pid, host and time (to compare hosts) on its standard error, which mpiexec shows before its own
+summary, and exits when every rank of its host has gone. ``PLURIBUS_MPI_DEATHWATCH=0`` turns it
+off.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import mmap
 import os
 import secrets
 import select
@@ -30,15 +40,22 @@ import time
 from typing import Any
 
 ENV = "PLURIBUS_MPI_DEATHWATCH"
-#: What a rank sends before it ends: normally, or after saying itself why (an uncaught exception,
-#: MPI_Abort); after an announced end the watcher stays quiet about the ranks mpiexec then kills.
-GOODBYE = b"bye"
-ANNOUNCED = b"end"
+#: What a rank sends: first its mutex's memory, then before it ends normally, or after saying
+#: itself why (an uncaught exception, MPI_Abort).
+HELD = b"held;"
+GOODBYE = b"bye;"
+ANNOUNCED = b"end;"
 #: How often the watcher checks that ranks it has not heard from yet still exist.
 CHECK_SECONDS = 1.0
+#: How long the watcher waits for the mutexes of ranks whose connections closed.
+ORDER_SECONDS = 0.3
+#: Bytes of a rank's mutex memory (a pthread_mutex_t is 40 or 48 bytes).
+SLOT_BYTES = 128
+EOWNERDEAD = 130
 
 _lock = threading.Lock()
 _connection: socket.socket | None = None
+_mutex: Mutexes | None = None  # this rank's, held for the life of the process
 _started = False
 
 
@@ -50,11 +67,14 @@ def enabled() -> bool:
     )
 
 
+# -- the ranks' side -------------------------------------------------------------------------------
+
+
 def join(MPI: Any) -> None:
     """Every rank calls this once the world has started (a collective on COMM_WORLD): the first
     rank of each host starts the watcher, every rank connects to it. Once per process; any
     failure leaves this rank unwatched rather than failing the job."""
-    global _started, _connection
+    global _started
     import numpy as np
 
     with _lock:
@@ -74,15 +94,33 @@ def join(MPI: Any) -> None:
         node.Bcast(started, root=0)
     finally:
         node.Free()
-    if not started[0]:
-        return
+    if started[0]:
+        connect(bytes(name))
+
+
+def connect(name: bytes) -> bool:
+    """Connect this rank to the watcher listening at ``name`` and hand it this rank's mutex."""
+    global _mutex, _connection
+    fd = -1
     try:
+        fd = os.memfd_create("pluribus-mpi-deathwatch")
+        os.ftruncate(fd, SLOT_BYTES)
+        mutex = Mutexes(mmap.mmap(fd, SLOT_BYTES))
+        mutex.init()
+        # by the calling thread, the main one as a rule: the kernel releases the main thread's
+        # robust mutexes before a copy from this process's memory can fail on another rank
+        mutex.lock()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        connection.connect(bytes(name))
-    except OSError:
-        return
-    _connection = connection
+        connection.connect(name)
+        socket.send_fds(connection, [HELD], [fd])
+    except (OSError, AttributeError):
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    _mutex, _connection = mutex, connection
     atexit.register(_at_exit)
+    return True
 
 
 def farewell(word: bytes = ANNOUNCED) -> None:
@@ -91,12 +129,12 @@ def farewell(word: bytes = ANNOUNCED) -> None:
     global _connection
     with _lock:
         connection, _connection = _connection, None
-    if connection is not None:
-        try:
-            connection.sendall(word)
-            connection.close()
-        except OSError:
-            pass
+        if connection is not None:
+            try:
+                connection.sendall(word)
+                connection.close()
+            except OSError:
+                pass
 
 
 def _at_exit() -> None:
@@ -127,7 +165,42 @@ def _start_watcher(name: bytes, ranks: list[list[int]]) -> bool:
         listener.close()
 
 
+class Mutexes:
+    """A process-shared robust pthread mutex at the start of ``shared`` (glibc or musl)."""
+
+    def __init__(self, shared: mmap.mmap):
+        self.shared = shared
+        self.libc = ctypes.CDLL(None, use_errno=True)  # calls release the GIL
+        self.address = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(shared)))
+
+    def init(self) -> None:
+        attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t is 4 bytes
+        self.libc.pthread_mutexattr_init(attr)
+        self.libc.pthread_mutexattr_setpshared(attr, 1)  # PTHREAD_PROCESS_SHARED
+        self.libc.pthread_mutexattr_setrobust(attr, 1)  # PTHREAD_MUTEX_ROBUST
+        if self.libc.pthread_mutex_init(self.address, attr):
+            raise OSError("pthread_mutex_init failed")
+
+    def lock(self) -> int:
+        """0, or EOWNERDEAD when the holder died (the lock is then this thread's)."""
+        return self.libc.pthread_mutex_lock(self.address)
+
+
 # -- the watcher process ---------------------------------------------------------------------------
+
+
+class Rank:
+    """What the watcher knows of one connected rank."""
+
+    def __init__(self, conn: socket.socket, rank: int, pid: int):
+        self.conn, self.rank, self.pid = conn, rank, pid
+        self.said = b""
+        self.closed = False
+        self.released_at: float | None = None  # when its mutex came back (it was ending)
+
+    @property
+    def finished(self) -> bool:
+        return GOODBYE in self.said or ANNOUNCED in self.said
 
 
 def watch(listener: socket.socket, ranks: dict[int, int]) -> None:
@@ -137,30 +210,43 @@ def watch(listener: socket.socket, ranks: dict[int, int]) -> None:
     poller = select.epoll()
     poller.register(listener.fileno(), select.EPOLLIN)
     waiting = dict(ranks)  # not connected yet
-    connected: dict[int, tuple[socket.socket, int, int]] = {}  # fd -> (socket, rank, pid)
+    connected: dict[int, Rank] = {}  # by file descriptor
+    seen: list[Rank] = []
     reported, listening = False, True
-    while waiting or connected:
-        ended = []
+    while waiting or any(not r.closed for r in seen):
+        died = []  # in the order the connections closed
         for fd, _ in poller.poll(CHECK_SECONDS if waiting else -1):
             if fd == listener.fileno():
-                _accept(listener, poller, waiting, connected)
+                rank = _accept(listener, waiting)
+                if rank is not None:
+                    connected[rank.conn.fileno()] = rank
+                    seen.append(rank)
+                    poller.register(rank.conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
                 continue
-            conn, rank, pid = connected[fd]
+            rank = connected[fd]
             try:
-                said = conn.recv(16)
+                data, fds, _, _ = socket.recv_fds(rank.conn, 64, 1)
             except OSError:
-                said = b""
-            if said.startswith(ANNOUNCED):
-                reported = True  # that rank said why it ends; mpiexec now kills the others
-            ended.append((rank, pid, said.startswith((GOODBYE, ANNOUNCED))))
+                data, fds = b"", []
+            for passed in fds:
+                _await_release(rank, passed)
+            if data:
+                rank.said += data
+                if ANNOUNCED in rank.said and not died:
+                    reported = True  # that rank said why it ends; mpiexec now kills the others
+                continue
             poller.unregister(fd)
-            conn.close()
+            rank.conn.close()
+            rank.closed = True
             del connected[fd]
-        died = [(rank, pid) for rank, pid, goodbye in ended if not goodbye]
+            if not rank.finished:
+                died.append(rank)
         if died and not reported:
             reported = True
+            first = _first_to_die(died, seen)
+            after = [r.rank for r in seen if r is not first and r.closed and not r.finished]
             try:
-                os.write(2, _report(died, host).encode(errors="replace"))
+                os.write(2, _report(first, after, host).encode(errors="replace"))
             except OSError:
                 pass  # mpiexec stopped reading (the job is over)
         for pid in list(waiting):
@@ -172,31 +258,51 @@ def watch(listener: socket.socket, ranks: dict[int, int]) -> None:
             listening = False
 
 
-def _accept(listener, poller, waiting: dict[int, int], connected: dict) -> None:
+def _accept(listener, waiting: dict[int, int]) -> Rank | None:
     conn, _ = listener.accept()
     pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
     if pid not in waiting:
         conn.close()  # not a rank of this host (or one that connected twice)
+        return None
+    return Rank(conn, waiting.pop(pid), pid)
+
+
+def _await_release(rank: Rank, fd: int) -> None:
+    """A thread that blocks on ``rank``'s mutex (in the memory ``fd``) and notes when the kernel
+    hands it back."""
+    try:
+        mutex = Mutexes(mmap.mmap(fd, SLOT_BYTES))
+    except (OSError, ValueError):
         return
-    connected[conn.fileno()] = (conn, waiting.pop(pid), pid)
-    poller.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+    finally:
+        os.close(fd)
+
+    def wait() -> None:
+        mutex.lock()
+        rank.released_at = time.monotonic()
+
+    threading.Thread(target=wait, daemon=True).start()
 
 
-def _report(died: list[tuple[int, int]], host: str) -> str:
+def _first_to_die(died: list[Rank], seen: list[Rank]) -> Rank:
+    """The rank that started ending first among those that did not say goodbye: by when their
+    mutexes came back (waiting a moment for the threads that note it), else ``died[0]``."""
+    deadline = time.monotonic() + ORDER_SECONDS
+    while any(r.released_at is None for r in died) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    ending = [r for r in seen if r.released_at is not None and not r.finished]
+    return min(ending, key=lambda r: r.released_at) if ending else died[0]
+
+
+def _report(first: Rank, after: list[int], host: str) -> str:
     now = time.time()
     when = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d} UTC"
-    if len(died) == 1:
-        rank, pid = died[0]
-        who = f"rank {rank} (pid {pid} on {host}) ended"
-    else:
-        who = (
-            f"ranks {[r for r, _ in died]} (pids {[p for _, p in died]} on {host}) ended at once "
-            "(one of them first)"
-        )
+    then = f"; rank(s) {after} of this host ended after it" if after else ""
     return (
-        f"pluribus-mpi: {who} at {when} without finishing: killed, crashed, or exited without "
-        "MPI_Finalize. mpiexec now ends the other ranks; the PID it names may be another "
-        "rank's (on several hosts, the earliest of these reports is the first)\n"
+        f"pluribus-mpi: rank {first.rank} (pid {first.pid} on {host}) ended without finishing "
+        f"(killed, crashed, or exited without MPI_Finalize), seen at {when}{then}. mpiexec ends "
+        "the other ranks and names a PID that may be another rank's (on several hosts, the "
+        "earliest of these reports is the first)\n"
     )
 
 
