@@ -100,5 +100,6 @@ def test_ucc_unchecked_says_an_earlier_call_may_have_mismatched():
         timeout=60,
         env={"PLURIBUS_TIMEOUT": "10"},
     )
-    assert all(r != "returned" for r in results), results
+    # (a rank whose barrier peers had sent their tokens before the abort may return: its next
+    # call fails)
     assert "an earlier call mismatched" in results[1], results
