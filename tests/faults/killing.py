@@ -2,13 +2,17 @@
 
 Used by ``test_dead_peers.py`` (a few runs per backend) and ``scripts/fault-repeat.py`` (20 per
 backend). The job is a plain env:// job whose rank 0 serves the store, so killing rank 0 also
-takes the store away, as in a real job.
+takes the store away, as in a real job. The mpi job runs under mpiexec, which kills the other
+ranks itself: there the promise is that the job's output names the dead rank and its pid (the
+plugin's watcher says it; mpiexec names a PID, often another rank's) and that the job ends
+within seconds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,9 +34,29 @@ class Outcome:
     exit_codes: dict[int, int] = field(default_factory=dict)
     leaked_shm: list[str] = field(default_factory=list)
     leaked_processes: list[int] = field(default_factory=list)
+    #: mpi: what mpiexec printed, the dead rank's pid, and when mpiexec returned
+    output: str = ""
+    victim_pid: int = 0
+    ended_at: float = 0.0
 
     def problems(self, within: float = 5.0) -> list[str]:
         """Every broken promise of this run, in words (empty when all held)."""
+        found = self._mpi_problems(within) if self.backend == "mpi" else self._rank_problems(within)
+        found += [f"leaked {name}" for name in self.leaked_shm]
+        found += [f"leaked process {pid}" for pid in self.leaked_processes]
+        return found
+
+    def _mpi_problems(self, within: float) -> list[str]:
+        found = []
+        if f"rank {self.victim} (pid {self.victim_pid} on" not in self.output:
+            found.append(f"the output does not name rank {self.victim} (pid {self.victim_pid})")
+        elif self.output.count("without finishing") != 1:
+            found.append("the output blames more than one rank")
+        if self.ended_at - self.killed_at > within:
+            found.append(f"the job ended after {self.ended_at - self.killed_at:.1f}s")
+        return found
+
+    def _rank_problems(self, within: float) -> list[str]:
         found = []
         for rank, code in self.exit_codes.items():
             if rank != self.victim and code != 0:
@@ -58,8 +82,6 @@ class Outcome:
                     f"rank {rank}: a later barrier {got.get('later')} after "
                     f"{got.get('later_seconds', 0):.1f}s"
                 )
-        found += [f"leaked /dev/shm/{name}" for name in self.leaked_shm]
-        found += [f"leaked process {pid}" for pid in self.leaked_processes]
         return found
 
 
@@ -74,7 +96,20 @@ def _shm_of(pids: list[int]) -> list[str]:
         names = os.listdir("/dev/shm")
     except OSError:
         return []
-    return sorted(n for n in names if any(str(pid) in n for pid in pids))
+    return sorted(f"/dev/shm/{n}" for n in names if any(str(pid) in n for pid in pids))
+
+
+def deathwatch_processes() -> list[int]:
+    """The pids of the mpi plugin's watcher processes running now."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"pluribus_mpi.deathwatch" in f.read():
+                    found.append(int(pid))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -97,6 +132,8 @@ def kill_a_rank(
 ) -> Outcome:
     """Start the job, SIGKILL ``victim`` ``delay`` seconds after every rank is in its loop,
     wait for the rest; every process is killed and reaped before this returns."""
+    if backend == "mpi":
+        return _kill_under_mpiexec(victim, world, env, delay, limit)
     with tempfile.TemporaryDirectory(prefix="pluribus-faults-") as outdir:
         base = dict(os.environ)
         base.update(env or {})
@@ -146,6 +183,68 @@ def kill_a_rank(
         if outcome.problems():
             outcome.stderr = _stderr(outdir, world)
         return outcome
+
+
+def _kill_under_mpiexec(
+    victim: int, world: int, env: dict[str, str] | None, delay: float, limit: float
+) -> Outcome:
+    """The same run as an mpiexec job: ``mpiexec -n world python kill_job.py mpi OUTDIR``."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
+        "mpiexec"
+    )
+    if mpiexec is None:
+        raise RuntimeError("no mpiexec: pip install mpich")
+    with tempfile.TemporaryDirectory(prefix="pluribus-faults-") as outdir:
+        job_env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
+        job_env.update(env or {}, PYTHONUNBUFFERED="1")
+        with open(os.path.join(outdir, "output"), "w") as out:
+            proc = subprocess.Popen(
+                [mpiexec, "-n", str(world), sys.executable, JOB, "mpi", outdir],
+                env=job_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        outcome = Outcome("mpi", victim, 0.0)
+        pids: list[int] = []
+        try:
+            deadline = time.monotonic() + limit
+            while not all(_read(outdir, f"ready{r}").strip() for r in range(world)):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"the job did not start: {_read(outdir, 'output')}")
+                time.sleep(0.05)
+            pids = [int(_read(outdir, f"ready{r}")) for r in range(world)]
+            time.sleep(delay)
+            outcome.killed_at = time.time()
+            outcome.victim_pid = pids[victim]
+            os.kill(pids[victim], signal.SIGKILL)
+            proc.wait(max(1.0, deadline - time.monotonic()))
+            outcome.ended_at = time.time()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        outcome.exit_codes = {0: proc.returncode}
+        outcome.output = _read(outdir, "output")
+        segments = set()
+        for rank in range(world):
+            segments.update(_read(outdir, f"segments{rank}").split())
+        wait_until = time.monotonic() + 5  # the watcher exits once it has seen every rank go
+        while deathwatch_processes() and time.monotonic() < wait_until:
+            time.sleep(0.05)
+        outcome.leaked_shm = sorted(s for s in segments if os.path.exists(s))
+        outcome.leaked_processes = [p for p in pids if _alive(p)] + deathwatch_processes()
+        if outcome.problems():
+            outcome.stderr = outcome.output[-3000:]
+        return outcome
+
+
+def _read(outdir: str, name: str) -> str:
+    try:
+        with open(os.path.join(outdir, name)) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _stderr(outdir: str, world: int) -> str:

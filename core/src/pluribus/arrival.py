@@ -49,8 +49,17 @@ def absent_ranks(store, key: str, me: int, size: int, grace: float = ARRIVAL_GRA
     def ask(store) -> list[int]:
         store.set(f"{key}/{me}", "1")
         deadline = time.monotonic() + grace
+        missing = None
         while True:
-            missing = [r for r in range(size) if not store.check([f"{key}/{r}"])]
+            try:
+                missing = [r for r in range(size) if not store.check([f"{key}/{r}"])]
+            except Exception:
+                # The store's server went away during the grace: its rank had its answer and
+                # ended (under mpiexec that ends the job). Every rank that arrived with it has
+                # said so by now, so the last answer stands.
+                if missing is None:
+                    raise
+                return missing
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(0.05)

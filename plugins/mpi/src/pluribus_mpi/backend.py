@@ -22,6 +22,7 @@ from pluribus import Backend, ReduceOp
 from pluribus.errors import PluribusError
 from pluribus.operations import OPERATIONS
 
+from . import deathwatch
 from .buffers import (
     address_of,
     averager,
@@ -42,6 +43,7 @@ from .env import env_disagreement
 from .failure import (
     abort_on_error_default,
     install_excepthook,
+    install_exit_check,
     raise_if_any,
     unlink_shared_memory_names,
     watch_blocking_calls,
@@ -67,10 +69,16 @@ class MPIBackend(Backend):
         cuda_aware: bool,
         group_name: str = "world",
         owns_comm: bool = True,
+        store: Any = None,
     ):
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
         self.comm = comm
         self.group_name = group_name
+        # The group's store says which ranks never reached a collective that timed out; ``seq``
+        # numbers the collectives started as requests (the same on every rank, as MPI's order).
+        self.store = store
+        self.seq = 0
+        self.world_ranks = _world_ranks(comm)
         self.owns_comm = owns_comm
         self.cuda_aware = cuda_aware
         self.devices = ("cpu", "cuda") if cuda_aware else ("cpu",)
@@ -250,7 +258,11 @@ class MPIBackend(Backend):
         starter = self._starters[name]
         try:
             with self.start_lock:
-                return starter(*args)
+                pending = starter(*args)
+                if OPERATIONS[name].collective:
+                    self.seq += 1
+                    pending.seq = self.seq
+                return pending
         except MPI.Exception as exc:
             raise self.translate(exc, describe(name, key_array, self.group_name)) from exc
         except TypeError as exc:  # a dtype MPI cannot carry here; nothing was started
@@ -453,7 +465,7 @@ class MPIBackend(Backend):
                 f"rank {self.rank}: MPI placed this rank at {comm.Get_rank()} of sub-group "
                 f"{ctx.group_name!r}, the core at {ctx.rank}"
             )
-        sub = MPIBackend(comm, ctx.timeout, self.cuda_aware, ctx.group_name)
+        sub = MPIBackend(comm, ctx.timeout, self.cuda_aware, ctx.group_name, store=ctx.store)
         sub.cuda_reason = self.cuda_reason
         self.subgroups.append(sub)
         return sub
@@ -477,8 +489,23 @@ class MPIBackend(Backend):
     cuda_reason = ""
 
 
+def _world_ranks(comm: Any) -> list[int]:
+    """The COMM_WORLD rank of each rank of ``comm``, in its order (errors name world ranks)."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+
+
 def create_world(
-    rank: int, size: int, timeout: float, options: dict[str, Any], group_name: str = "world"
+    rank: int,
+    size: int,
+    timeout: float,
+    options: dict[str, Any],
+    group_name: str = "world",
+    store: Any = None,
 ) -> MPIBackend:
     """The world group's backend: a private duplicate of COMM_WORLD, after checking that the
     core's rank and size are MPI's."""
@@ -507,6 +534,8 @@ def create_world(
         problem = env_disagreement(mpi_rank, mpi_size)
     raise_if_any(world, problem, "start the mpi backend")
     unlink_shared_memory_names()  # every rank has started: nothing is left after a crash
+    deathwatch.join(MPI)  # a rank that dies is named, whatever PID mpiexec names
+    install_exit_check()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         warnings.warn(
             f"rank {mpi_rank}: MPI was initialised without MPI_THREAD_MULTIPLE (thread level "
@@ -519,6 +548,6 @@ def create_world(
     option = options.get("cuda_aware")
     if option is not None:
         aware, reason = bool(option), f"backend_options cuda_aware={option}"
-    backend = MPIBackend(world.Dup(), timeout, aware, group_name)
+    backend = MPIBackend(world.Dup(), timeout, aware, group_name, store=store)
     backend.cuda_reason = reason
     return backend

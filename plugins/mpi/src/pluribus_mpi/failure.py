@@ -1,9 +1,11 @@
 """What happens when something fails on MPI: the watchdog that ends the job when a blocking call
 outlives its timeout (MPI cannot cancel one), raising on every rank when any rank found a problem
-at start-up, and MPI_Abort on an uncaught exception so that no rank waits for a dead one."""
+at start-up, MPI_Abort on an uncaught exception so that no rank waits for a dead one, and an exit
+without MPI_Finalize when a collective that timed out is still posted."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -15,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pluribus.errors import DistTimeoutError, PluribusError
 
+from . import deathwatch
 from .datatypes import MPI
-from .work import describe
+from .work import LEFT_POSTED, describe
 
 if TYPE_CHECKING:
     from .backend import MPIBackend
@@ -54,6 +57,7 @@ def watch_blocking_calls(backend: MPIBackend) -> None:
             os.write(2, report.encode(errors="replace"))
         except OSError:
             pass
+        deathwatch.farewell()  # this rank said why it ends
         time.sleep(0.2)  # let mpiexec forward the report
         MPI.COMM_WORLD.Abort(1)
         return
@@ -135,8 +139,48 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
     except OSError:
         pass
     if aborting:
+        deathwatch.farewell()  # this rank said why it ends
         time.sleep(0.2)  # let mpiexec's output forwarding drain before every rank is killed
         world.Abort(1)
+
+
+_exit_check = False
+
+
+def install_exit_check() -> None:
+    """Run :func:`exit_if_stuck` at interpreter exit (once per process). Python's atexit
+    functions run before mpi4py's MPI_Finalize, which it registers with ``Py_AtExit``."""
+    global _exit_check
+    with _hook_lock:
+        if not _exit_check:
+            _exit_check = True
+            atexit.register(exit_if_stuck)
+
+
+def exit_if_stuck() -> None:
+    """End this process without MPI_Finalize when a collective that timed out is still posted.
+
+    MPI cannot cancel a collective, and MPI_Finalize waits for every posted one: a rank whose
+    peer never arrived (and MPI_Abort is off) would otherwise hang at exit until that peer
+    ended. Exiting without MPI_Finalize is an abnormal end, so mpiexec ends the other ranks."""
+    stuck = [work for work in list(LEFT_POSTED) if not work.is_completed()]
+    if not stuck or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
+    calls = ", ".join(work.description for work in stuck)
+    message = (
+        f"pluribus-mpi: rank {rank} exits without MPI_Finalize (exit code 1): {calls} timed out "
+        "and is still posted, and MPI_Finalize would wait for it until every rank reached it; "
+        "mpiexec ends the other ranks\n"
+    )
+    deathwatch.farewell()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, message.encode(errors="replace"))
+    except (OSError, ValueError):
+        pass
+    os._exit(1)
 
 
 def unlink_shared_memory_names() -> list[str]:

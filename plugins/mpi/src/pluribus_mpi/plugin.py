@@ -20,7 +20,9 @@ def create(ctx: Any) -> Any:
     """The world group's backend (sub-groups come from ``MPIBackend.new_subgroup``)."""
     from .backend import create_world
 
-    return create_world(ctx.rank, ctx.size, ctx.timeout, dict(ctx.options), ctx.group_name)
+    return create_world(
+        ctx.rank, ctx.size, ctx.timeout, dict(ctx.options), ctx.group_name, ctx.store
+    )
 
 
 def _spec_devices() -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pluribus.arrival import absent_ranks, explain
 from pluribus.errors import DistTimeoutError, PluribusError
 from pluribus.work import Work
 
@@ -30,6 +31,11 @@ YIELD_EVERY = 64
 #: Sleeps between ``Test`` calls grow to at most this, and to at most 1/16 of the time waited.
 MAX_SLEEP_SECONDS = 1e-3
 
+#: Collectives whose wait timed out while their request was still posted (kept, with their
+#: buffers, which MPI may still write). MPI cannot cancel a collective, and MPI_Finalize waits
+#: for every posted one: see ``failure.exit_if_stuck``.
+LEFT_POSTED: set[MPIWork] = set()
+
 
 def describe(name: str, key_array: Any, group_name: str) -> str:
     if key_array is None:
@@ -42,13 +48,14 @@ def describe(name: str, key_array: Any, group_name: str) -> str:
 class Pending:
     """A request in flight, the callbacks that finish the operation, and the arrays it uses."""
 
-    __slots__ = ("request", "status", "finishers", "keep")
+    __slots__ = ("request", "status", "finishers", "keep", "seq")
 
     def __init__(self, request: Any, keep: tuple = (), status: Any = None):
         self.request = request
         self.status = status
         self.finishers: list[Callable[[], None]] = []
         self.keep = keep
+        self.seq = 0  # the collective's number in its group; 0 for point-to-point
 
 
 class MPIWork(Work):
@@ -77,6 +84,7 @@ class MPIWork(Work):
                 error = exc
         self._error = error
         self._done = True
+        LEFT_POSTED.discard(self)
         self.pending.keep = ()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
@@ -109,12 +117,12 @@ class MPIWork(Work):
         limit = self.backend.timeout if timeout is None else float(timeout)
         with self._lock:
             if not self._poll():
-                self._wait_polling(limit)
+                self._wait_polling(limit, ask_who=timeout is None)
         if self._error is not None:
             raise self._error
         return True
 
-    def _wait_polling(self, limit: float) -> None:
+    def _wait_polling(self, limit: float, ask_who: bool) -> None:
         start = time.monotonic()
         nbytes = getattr(self.key_array, "nbytes", 0)
         spin = min(SPIN_MIN_SECONDS + nbytes * SPIN_SECONDS_PER_BYTE, SPIN_MAX_SECONDS, limit)
@@ -136,15 +144,36 @@ class MPIWork(Work):
                     f"{self.backend.aborted}"
                 )
             if now >= deadline:
-                raise DistTimeoutError(
-                    f"rank {self.backend.rank}: {self.description} did not complete within "
-                    f"{limit:.1f}s: another rank of the group has not started the same "
-                    "operation (or died). The operation stays posted: wait again to let it "
-                    "finish; MPI cannot cancel a collective, so if it never will, end the job "
-                    "(an uncaught exception aborts every rank)"
-                )
+                raise self._timed_out(limit, ask_who)
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 2, MAX_SLEEP_SECONDS, max(50e-6, (now - start) / 16))
+
+    def _timed_out(self, limit: float, ask_who: bool) -> DistTimeoutError:
+        """The error of a wait that ran out: for a collective waited for with the group's
+        timeout, which ranks never reached it (asked through the group's store, as gloo and
+        ucc do). The request stays posted (:data:`LEFT_POSTED`)."""
+        backend, seq = self.backend, self.pending.seq
+        if seq:  # a posted receive does not hold MPI_Finalize up; a collective does
+            LEFT_POSTED.add(self)
+        where, who = "", ": another rank has not started the same operation (or died)"
+        if seq:
+            where = f" (#{seq} of this group)"
+            if ask_who and backend.store is not None:
+                try:
+                    found = absent_ranks(
+                        backend.store, f"reached/{seq}", backend.rank, backend.size
+                    )
+                    missing: list[int] | None = [backend.world_ranks[r] for r in found]
+                except Exception:
+                    missing = None
+                who = explain(missing, limit)
+        return DistTimeoutError(
+            f"rank {backend.world_ranks[backend.rank]}: {self.description}{where} did not "
+            f"complete within {limit:.1f}s{who}. "
+            "MPI cannot cancel it: wait again to let it finish; if it never will, end the "
+            "process (it exits without MPI_Finalize, which would wait for it forever, and "
+            "mpiexec ends the other ranks)"
+        )
 
     def is_completed(self) -> bool:
         if self._done:

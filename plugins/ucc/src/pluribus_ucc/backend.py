@@ -127,6 +127,7 @@ class UccBackend(Backend):
         self.small_bytes = int(options.get("ucc_small_bytes", DEFAULT_SMALL_BYTES))
         # off by default: it costs more than 5 % at 4 KiB (BENCHMARKS.md); DETAIL checks all
         self.check_calls = _flag(options.get("ucc_check_calls", False))
+        self._signed_calls: dict[int, Any] = {}  # step -> this rank's signature at that step
         self.owns_transport = tag_space == 0
         self._posted = threading.local()
         self._buffers: dict[tuple[int, str], Any] = {}
@@ -244,7 +245,7 @@ class UccBackend(Backend):
         import numpy as np
 
         n = data.nbytes
-        signature = _signature("all_reduce", data.dtype, op, -1)
+        signature = self._signed("all_reduce", data.dtype, op, -1)
         outgoing = self._scratch(2, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
         incoming = self._scratch(0, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
         outgoing[n:] = signature
@@ -264,14 +265,36 @@ class UccBackend(Backend):
             reduce_into(data, incoming[:n].view(data.dtype), op)
             mask, level = mask << 1, level + 1
 
+    def _signed(self, kind: str, dtype: Any, op: ReduceOp | None, root: int):
+        """This call's signature (with its number in the group), remembered by that number so
+        that a message from an earlier call can be named."""
+        signature = _signature(kind, dtype, op, root, self.seq % SIGNED_STEPS)
+        self._signed_calls[self.seq % SIGNED_STEPS] = signature
+        return signature
+
     def _check_signature(self, theirs: Any, signature: Any, peer: int, what: str) -> None:
-        if theirs.tobytes() != signature.tobytes():
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: collective mismatch in {what}: group rank {peer} called "
-                f"{_describe(theirs)} where this rank called {_describe(signature)}; every rank "
-                "of a group must call the same collectives in the same order, with the same "
-                "dtype, op and root"
+        if theirs.tobytes() == signature.tobytes():
+            return
+        step = _step(theirs)
+        if step is None or step == self.seq % SIGNED_STEPS:
+            detail = (
+                f"group rank {peer} called {_describe(theirs)} where this rank called "
+                f"{_describe(signature)}"
             )
+        else:  # a message of an earlier call: that call mismatched and went unnoticed
+            number = self.seq - (self.seq - step) % SIGNED_STEPS
+            mine = self._signed_calls.get(step)
+            here = f"this rank called {_describe(mine)} as #{number}; " if mine is not None else ""
+            detail = (
+                f"group rank {peer} sent a message of its collective #{number}, "
+                f"{_describe(theirs)}, where {here}this rank is at #{self.seq}, "
+                f"{_describe(signature)} (the root of a broadcast returns before the others can "
+                "tell it of a mismatch, so one shows at a later call)"
+            )
+        raise CollectiveMismatchError(
+            f"rank {self.rank}: collective mismatch in {what}: {detail}; every rank of a group "
+            "must call the same collectives in the same order, with the same dtype, op and root"
+        )
 
     def _segments(self, chunk: Any) -> list[Any]:
         size = self.cuda_segment_bytes if device_of(chunk) == "cuda" else self.segment_bytes
@@ -350,7 +373,7 @@ class UccBackend(Backend):
 
         data = byte_view(array)
         n = data.nbytes
-        signature = _signature("broadcast", array.dtype, None, src)
+        signature = self._signed("broadcast", array.dtype, None, src)
         message = self._scratch(2, np.empty(0, np.uint8), n + SIGNATURE_BYTES)
         what = f"broadcast from rank {src}"
         if parent is None:
@@ -481,26 +504,41 @@ class UccBackend(Backend):
 
 #: Bytes of the signature a checked call appends to its messages.
 SIGNATURE_BYTES = 8
+SIGNATURE_FORMAT = "<BBbBi"  # collective, dtype, op, step, root
+#: A signature carries the call's number in the group modulo this.
+SIGNED_STEPS = 256
 _KINDS = ("all_reduce", "broadcast")
 #: What a receive buffer's signature slot holds until a message fills it: no call's signature,
 #: so a message from another call that is too short to reach the slot is still a mismatch.
 NO_SIGNATURE = 0xFF
 
 
-@functools.lru_cache(maxsize=256)
-def _signature(kind: str, dtype: Any, op: ReduceOp | None, root: int):
-    """What a checked call appends to its messages: collective, dtype, op and root."""
+@functools.lru_cache(maxsize=4096)
+def _signature(kind: str, dtype: Any, op: ReduceOp | None, root: int, step: int):
+    """What a checked call appends to its messages: collective, dtype, op, root and the call's
+    number in the group (modulo :data:`SIGNED_STEPS`), so that a message left over from an
+    earlier call (a broadcast whose root did not match) is not taken for this call's."""
     import numpy as np
 
     name = op.name if op is not None else ""
     raw = struct.pack(
-        "<BBbxi", _KINDS.index(kind), _DTYPES.index(str(dtype)), _OPS.index(name), root
+        SIGNATURE_FORMAT,
+        _KINDS.index(kind),
+        _DTYPES.index(str(dtype)),
+        _OPS.index(name),
+        step,
+        root,
     )
     return np.frombuffer(raw, dtype=np.uint8)
 
 
+def _step(signature: Any) -> int | None:
+    kind, _, _, step, _ = struct.unpack(SIGNATURE_FORMAT, signature.tobytes())
+    return None if kind >= len(_KINDS) else step
+
+
 def _describe(signature: Any) -> str:
-    kind, dtype, op, root = struct.unpack("<BBbxi", signature.tobytes())
+    kind, dtype, op, _, root = struct.unpack(SIGNATURE_FORMAT, signature.tobytes())
     if kind >= len(_KINDS) or dtype >= len(_DTYPES) or op >= len(_OPS):
         return "something else"
     parts = [_DTYPES[dtype]]

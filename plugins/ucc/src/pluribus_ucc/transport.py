@@ -283,10 +283,16 @@ class Transport:
             name = type(exc).__name__
             if "Truncated" in name:
                 error = mismatch_error or ValueError
+                cause = "the ranks passed arrays of different sizes"
+                if mismatch_error is not None:
+                    cause += (
+                        f", or rank {op.peer} sent it for another collective: an earlier call "
+                        "mismatched (the root of a broadcast returns before the others can tell "
+                        "it; ucc_check_calls=True names such a call)"
+                    )
                 raise error(
                     f"rank {self.rank}: {what}: rank {op.peer} sent more than the "
-                    f"{op.nbytes} bytes this rank expected; the ranks passed arrays of different "
-                    "sizes"
+                    f"{op.nbytes} bytes this rank expected; {cause}"
                 ) from exc
             if op.peer in self.dead or op.peer in self.aborted_peers:
                 raise self._peer_error(op.peer, what) from exc
