@@ -337,19 +337,28 @@ def _zero_bubble_order(p: int, m: int, cost: Mapping[str, float]) -> Program:
         done[r] = len(lists[r]) == 3 * m
         return True
 
+    _run_clock(act, clock, done, (f_end, i_end), f"ZeroBubble (p={p}, m={m})")
+    return with_communication(Program("ZeroBubble", m, tuple(range(p)), lists))
+
+
+def _run_clock(act, clock: list[float], done: list[bool], ends, what: str) -> None:
+    """Drive a clocked schedule policy: at the earliest time ``t`` any unfinished rank is free,
+    ``act(r, t)`` lets each rank free at ``t`` start its next action (False: it must wait);
+    ranks that all wait move on to the next time anything ends (a clock, or an entry of
+    ``ends``, tables of per-micro-batch end times, infinite until known)."""
+    ranks = range(len(clock))
     while not all(done):
-        t = min(clock[r] for r in range(p) if not done[r])
-        moved = [act(r, t) for r in range(p) if not done[r] and clock[r] == t]
-        if not any(moved):  # the ranks at t wait: move them to the next time anything ends
+        t = min(clock[r] for r in ranks if not done[r])
+        moved = [act(r, t) for r in ranks if not done[r] and clock[r] == t]
+        if not any(moved):
             later = [c for c in clock if c > t] + [
-                e for rows in (f_end, i_end) for row in rows for e in row if t < e < never
+                e for rows in ends for row in rows for e in row if t < e < float("inf")
             ]
             if not later:  # the policy always progresses; this guards against a bug
-                raise RuntimeError(f"ZeroBubble: no order found for p={p}, m={m}")
-            for r in range(p):
+                raise RuntimeError(f"{what}: no order found")
+            for r in ranks:
                 if not done[r] and clock[r] == t:
                     clock[r] = min(later)
-    return with_communication(Program("ZeroBubble", m, tuple(range(p)), lists))
 
 
 def zbv(num_ranks: int, num_microbatches: int, costs: Mapping[str, float] | None = None) -> Program:
@@ -496,18 +505,7 @@ def _zbv_clocked(p: int, m: int, cost: Mapping[str, float]) -> Program:
         done[r] = len(lists[r]) == 6 * m
         return True
 
-    while not all(done):
-        t = min(clock[r] for r in range(p) if not done[r])
-        moved = [act(r, t) for r in range(p) if not done[r] and clock[r] == t]
-        if not any(moved):  # the ranks at t wait: move them to the next time anything ends
-            later = [c for c in clock if c > t] + [
-                e for rows in (f_end, i_end) for row in rows for e in row if t < e < never
-            ]
-            if not later:  # the policy always progresses; this guards against a bug
-                raise RuntimeError(f"ZBV: no order found for p={p}, m={m}")
-            for r in range(p):
-                if not done[r] and clock[r] == t:
-                    clock[r] = min(later)
+    _run_clock(act, clock, done, (f_end, i_end), f"ZBV (p={p}, m={m})")
     return with_communication(Program("ZBV", m, placement, lists))
 
 
