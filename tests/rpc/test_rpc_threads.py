@@ -314,8 +314,11 @@ def test_a_dead_worker_fails_pending_calls_at_once():
     assert run_threads(2, main)[0] < 2.0
 
 
-def test_large_arrays_both_ways_after_a_timed_out_call_do_not_block_the_connection():
-    big = np.arange(4 * 2**20, dtype=np.float64)  # 32 MiB each way
+@pytest.mark.parametrize("shared_memory", [True, False])  # segments, or the socket itself
+def test_large_arrays_both_ways_after_a_timed_out_call_do_not_block_the_connection(shared_memory):
+    """32 MiB each way: a reply being written while the next request is must not deadlock,
+    whether the arrays travel in segments or through the (local, Unix) socket."""
+    big = np.arange(4 * 2**20, dtype=np.float64)
 
     def main(rank):
         if rank != 0:
@@ -326,7 +329,7 @@ def test_large_arrays_both_ways_after_a_timed_out_call_do_not_block_the_connecti
         back = rpc.rpc_sync("w1", c.scale, args=(big, 3.0), timeout=30)
         return back, [f.wait(30) for f in futures]
 
-    back, others = run_threads(2, main)[0]
+    back, others = run_threads(2, main, shared_memory=shared_memory)[0]
     np.testing.assert_array_equal(back, big * 3.0)
     for other in others:
         np.testing.assert_array_equal(other, big * 2.0)
