@@ -1,14 +1,19 @@
-"""The two choices of gloo's shared arena that were settled by measurement, each setting
-alternated with the others in one world so that all see the same machine load:
+"""The choices of gloo's shared arena that were settled by measurement, each setting alternated
+with the others in one world so that all see the same machine load:
 
-- ``--experiment spin``: how a waiting rank polls the flags: a pure spin of a given length
-  against the shipped poll (yield the CPU every other poll for 100 µs) and against waiting in
-  the engine at once (``engine``; the shipped choice when the host runs more ranks than cores);
+- ``--experiment spin``: how a waiting rank waits for its peers. ``shipped`` is what ships
+  (poll 100 µs yielding the CPU every other poll, or on every poll when the host runs more ranks
+  than cores, then sleep on a peer's futex, then the engine); against it ``yield:US`` (poll US µs
+  yielding on every poll, then the futex; ``yield:0`` sleeps at once), ``poll:US`` (yield every
+  other poll), ``every:N:US`` (every N polls), ``pure:US`` (never yield), ``nofutex`` (the
+  shipped poll, then the engine) and ``engine`` (straight to the engine's wait: what ranks >
+  cores got before the futex);
 - ``--experiment one-shot``: where an all-reduce switches from reducing whole arrays in one
   phase to reduce-scatter + all-gather.
 
     python benchmarks/gloo_arena_tuning.py                          # spin, 2 ranks
-    python benchmarks/gloo_arena_tuning.py --nproc 4 --sizes 65536 --pure 50,1000
+    python benchmarks/gloo_arena_tuning.py --nproc 4 --sizes 4096,65536 \
+        --settings shipped,yield:0,yield:30,yield:300,engine
     python benchmarks/gloo_arena_tuning.py --experiment one-shot --sizes 131072,524288,1048576
 
 Calls the backend's ``all_reduce`` directly (no core dispatch), float32 sum; for every size and
@@ -43,6 +48,7 @@ def _apply(setting: str, arena, arena_mod, local, shipped: dict) -> None:
     arena.spin, arena.yield_mask, arena.futex = shipped["spin"], shipped["mask"], shipped["futex"]
     local.ONE_SHOT_BYTES = shipped["one_shot"]
     kind, _, micros = setting.partition(":")
+    polls, _, micros = micros.rpartition(":")  # "every:N:US" has a poll count
     seconds = float(micros or 0) / 1e6
     if kind == "one-shot":
         local.ONE_SHOT_BYTES = 1 << 40
@@ -56,6 +62,8 @@ def _apply(setting: str, arena, arena_mod, local, shipped: dict) -> None:
         arena.spin, arena.yield_mask = seconds, 0
     elif kind == "poll":  # poll and yield every other poll, then sleep on the futex
         arena.spin, arena.yield_mask = seconds, 1
+    elif kind == "every":  # poll and yield the CPU every N polls (N a power of 2), then the futex
+        arena.spin, arena.yield_mask = seconds, int(polls) - 1
     elif kind == "pure":  # poll without yielding, then sleep on the futex
         arena_mod.Arena._spin = _pure_spin
         arena.spin = seconds
@@ -109,7 +117,7 @@ def main() -> None:
     parser.add_argument(
         "--settings",
         default="shipped,engine,nofutex,yield:20,yield:100,pure:50",
-        help="for --experiment spin: shipped, engine, nofutex, yield:US, poll:US, pure:US",
+        help="--experiment spin: shipped, engine, nofutex, yield:US, poll:US, every:N:US, pure:US",
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
