@@ -1,8 +1,8 @@
 """How a rank waits on its group's arena: it sleeps on a peer's counter (a futex) and that
 peer's publish wakes it, not the end of a sleep slice; a failure or an abort in another thread
 wakes it too; with the futex turned off it waits in the engine as before. With processes (4
-ranks on CI's 2 cores: more ranks than cores), a late peer, a killed peer and an abort while
-the others sleep.
+ranks on CI's 2 cores: more ranks than cores), a late peer, a killed peer, an abort and a
+close of the engine while the others sleep.
 """
 
 from __future__ import annotations
@@ -234,4 +234,32 @@ def test_an_abort_while_sleeping_raises_at_once():
     got = run_ranks(_aborted_while_sleeping, 4, "gloo", "processes", timeout=60, env=env)
     took, message = got[0].split(" ", 1)
     assert "stopped by a test" in message, message
+    assert float(took) < 2.5, got[0]
+
+
+def _closed_while_sleeping() -> str:
+    engine = pb.get_default_group().backends["cpu"].engine
+    pb.all_reduce(np.ones(10))
+    if pb.get_rank() != 0:
+        time.sleep(1.5)  # not in the next call before rank 0's engine closes
+        return "late"
+    timer = threading.Timer(0.3, engine.close)
+    timer.start()
+    start = time.monotonic()
+    try:
+        pb.all_reduce(np.ones(10))
+    except PluribusError as exc:
+        return f"{time.monotonic() - start:.2f} {exc}"
+    finally:
+        timer.cancel()
+    return "returned"
+
+
+@pytest.mark.timeout(90)
+def test_closing_the_engine_while_a_call_sleeps_raises_at_once():
+    """The close unmaps the segment under the sleeper: it must wake and raise, not read it."""
+    env = {"PLURIBUS_GLOO_ARENA_SLEEP_MS": "60000"}
+    got = run_ranks(_closed_while_sleeping, 2, "gloo", "processes", timeout=60, env=env)
+    took, message = got[0].split(" ", 1)
+    assert "destroyed while this call waited" in message, message
     assert float(took) < 2.5, got[0]

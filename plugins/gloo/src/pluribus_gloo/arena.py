@@ -212,8 +212,10 @@ class Arena:
             self.sleeping_on = self.stage_words[peer]
             if c[index] == seen:
                 self.futex.wait(self.sleeping_on, seen)
-            c[self.mine + SLEEPS_ON] = 0
             self.sleeping_on = None
+            if engine.failed is not None:
+                return False  # a close may have released the segment: touch nothing
+            c[self.mine + SLEEPS_ON] = 0
 
     def interrupt(self) -> None:
         """Wake this rank's own sleep (the engine failed or was aborted in another thread)."""
