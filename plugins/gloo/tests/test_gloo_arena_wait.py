@@ -72,6 +72,27 @@ def test_sleepers_are_woken_by_the_late_peers_publish(monkeypatch, size):
     assert all(a.engine.waits == 0 for a in arenas), "every wait was a sleep on the arena"
 
 
+@needs_futex
+@pytest.mark.timeout(30)
+def test_a_rank_that_does_not_sleep_on_futexes_still_wakes_its_sleeping_peers(monkeypatch):
+    late, sleeper = _sleepy_arenas(monkeypatch, 2)
+    late.futex = None  # as with PLURIBUS_GLOO_FUTEX=0 in that process only
+
+    def rank_fn(arena, r):
+        if arena is late:
+            time.sleep(0.3)
+        start = time.monotonic()
+        x = np.full(10, r + 1.0, dtype=np.float32)
+        arena.begin(1, 2, 11, 1, 10)
+        local_all_reduce(arena, x)
+        return time.monotonic() - start, x
+
+    results = _in_threads([late, sleeper], rank_fn)
+    assert all((x == 3).all() for _, x in results)
+    assert results[1][0] < 10, "the late rank's publish woke the sleeper"
+    assert sleeper.engine.waits == 0
+
+
 def local_all_reduce(arena, x):
     from pluribus_gloo import local
 

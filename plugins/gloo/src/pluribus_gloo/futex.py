@@ -75,5 +75,7 @@ class Futex:
 
 
 def wake(handle: ctypes.c_void_p) -> None:
-    """Make every sleeper on the word runnable (in any process)."""
-    _syscall(_number, handle, _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
+    """Make every sleeper on the word runnable (in any process; also where this process was told
+    not to sleep on futexes itself, since its peers may)."""
+    if _syscall is not None:
+        _syscall(_number, handle, _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
