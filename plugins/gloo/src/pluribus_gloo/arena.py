@@ -95,6 +95,7 @@ class Arena:
             [data[(2 * r + h) * half : (2 * r + h + 1) * half] for r in range(size)] for h in (0, 1)
         ]
         self.typed: dict[np.dtype, list[list[np.ndarray]]] = {}
+        self.firsts: dict[np.dtype, list[np.ndarray]] = {}
         self.stage = self.control[self.mine + STAGE]
         self.round = 0
         self.peers = [r for r in range(size) if r != rank]
@@ -135,6 +136,19 @@ class Arena:
         if typed is None:
             typed = self.typed[dtype] = [[h.view(dtype) for h in pair] for pair in self.halves]
         return typed[self.round & 1]
+
+    def first_elements(self, dtype: np.dtype) -> np.ndarray:
+        """Element 0 of every rank's half of the current round, as one ``(size, 1)`` array
+        (ranks' halves lie ``2 * half`` bytes apart): a one-element all-reduce reduces it in one
+        numpy call, where a call per rank costs 1.4 µs on one-element arrays."""
+        firsts = self.firsts.get(dtype)
+        if firsts is None:
+            stride = (2 * self.half, np.dtype(dtype).itemsize)
+            firsts = self.firsts[dtype] = [
+                np.lib.stride_tricks.as_strided(pair[0], (self.size, 1), stride)
+                for pair in self.typed[dtype]
+            ]
+        return firsts[self.round & 1]
 
     def sync(self) -> None:
         """Publish one phase and wait until every peer has published it too."""
@@ -287,6 +301,7 @@ class Arena:
         self.control = None
         self.halves = None
         self.typed = {}
+        self.firsts = {}
         try:
             self.segment.close()
         except BufferError:
