@@ -36,6 +36,7 @@ def gloo_segments() -> set[str]:
 
 class _Link:
     shm = True
+    eof = False
 
 
 class _FakeEngine:
@@ -53,6 +54,9 @@ class _FakeEngine:
         self.failed = self.failed or error
 
     def _ring_doorbell(self, link):
+        pass
+
+    def _check_control(self):
         pass
 
     def wait(self, op: Op, timeout: float, position: tuple | None = None):

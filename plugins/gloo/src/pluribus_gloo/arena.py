@@ -18,8 +18,8 @@ control words, each on its own cache line:
 A waiting rank first polls the counters (100 µs, yielding the CPU every other poll; when the host
 runs more ranks than cores it yields on every poll, so that a peer queued on the same CPU runs),
 then sleeps on the futex of a peer that has not published yet, in 2 ms slices between which it
-checks for failures and mismatches, and after 50 ms hands the wait to the engine, whose loop also
-notices dead peers (their sockets close) and the group's timeout.
+checks for failures, mismatches and closed peer sockets (a dead peer), and after 50 ms hands the
+wait to the engine, whose loop also keeps the group's timeout.
 
 Each *round* of a collective starts with a write into one half and a publish, and ends with the
 reads of that half; the next round uses the other half. A rank writes into a half only after every
@@ -201,12 +201,13 @@ class Arena:
     def _sleep(self) -> bool:
         """Sleep on the counter of a peer that has not published yet (its next publish wakes us),
         in slices, for up to ``SLEEP_SECONDS``; False when the wait must go on in the engine (a
-        failure, a mismatch, or a peer that is this late: the engine notices dead peers and
-        timeouts)."""
+        failure, a mismatch, a dead peer, or a peer that is this late: the engine raises the
+        errors and keeps the timeout)."""
         if self.futex is None:
             return False
         c, target, engine = self.control, self.stage, self.engine
-        end = time.monotonic() + SLEEP_SECONDS
+        checked = time.monotonic()
+        end = checked + SLEEP_SECONDS
         while True:
             if engine.failed is not None:  # also set before a close unmaps the segment
                 return False
@@ -217,8 +218,13 @@ class Arena:
                     break
             else:
                 return True
-            if time.monotonic() > end:
+            now = time.monotonic()
+            if now > end:
                 return False
+            if now - checked > SLEEP_SLICE:
+                checked = now
+                if self._peer_gone():
+                    return False
             if self.unchecked and self._mismatch() is not None:
                 return False
             # only this rank writes its mark, so no publisher can clear one it did not see
@@ -230,6 +236,13 @@ class Arena:
             if engine.failed is not None:
                 return False  # a close may have released the segment: touch nothing
             c[self.mine + SLEEPS_ON] = 0
+
+    def _peer_gone(self) -> bool:
+        """Read the peers' sockets (a dead peer's closes) between two slices of a sleep: the engine
+        then names the dead rank as soon as it would have while waiting itself."""
+        engine = self.engine
+        engine._check_control()
+        return any(engine.links[self.world_ranks[p]].eof for p in self.peers)
 
     def interrupt(self) -> None:
         """Wake this rank's own sleep (the engine failed or was aborted in another thread)."""
