@@ -1,25 +1,32 @@
-"""The two choices of gloo's shared arena that were settled by measurement, each setting
-alternated with the others in one world so that all see the same machine load:
+"""The choices of gloo's shared arena that were settled by measurement, each setting alternated
+with the others in one world so that all see the same machine load:
 
-- ``--experiment spin``: how a waiting rank polls the flags: a pure spin of a given length
-  against the shipped poll (yield the CPU every other poll for 100 µs) and against waiting in
-  the engine at once (``engine``; the shipped choice when the host runs more ranks than cores);
+- ``--experiment spin``: how a waiting rank waits for its peers. ``shipped`` is what ships
+  (poll 100 µs yielding the CPU every other poll, or on every poll when the host runs more ranks
+  than cores, then sleep on a peer's futex, then the engine); against it ``yield:US`` (poll US µs
+  yielding on every poll, then the futex; ``yield:0`` sleeps at once), ``poll:US`` (yield every
+  other poll), ``every:N:US`` (every N polls), ``pure:US`` (never yield), ``nofutex`` (the
+  shipped poll, then the engine) and ``engine`` (straight to the engine's wait: what ranks >
+  cores got before the futex);
 - ``--experiment one-shot``: where an all-reduce switches from reducing whole arrays in one
   phase to reduce-scatter + all-gather.
 
     python benchmarks/gloo_arena_tuning.py                          # spin, 2 ranks
-    python benchmarks/gloo_arena_tuning.py --nproc 4 --sizes 65536 --pure 50,1000
+    python benchmarks/gloo_arena_tuning.py --nproc 4 --sizes 4096,65536 \
+        --settings shipped,yield:0,yield:30,yield:300,engine
     python benchmarks/gloo_arena_tuning.py --experiment one-shot --sizes 131072,524288,1048576
 
 Calls the backend's ``all_reduce`` directly (no core dispatch), float32 sum; for every size and
 setting, 5 batches are alternated and the minimum and median batch mean (µs per call) of rank 0
-are printed with the load average.
+are printed with the load average, and rank 0's CPU time and voluntary context switches (sleeps)
+per call, which depend less on what else the machine runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 import numpy as np
@@ -35,50 +42,70 @@ def _pure_spin(arena) -> bool:
     return False
 
 
-def _apply(setting: str, arena, arena_mod, local, shipped) -> None:
-    arena_mod.Arena._spin = shipped
-    arena.spin = arena_mod.SPIN_SECONDS
-    local.ONE_SHOT_BYTES = local_default[0]
-    if setting == "one-shot":
+def _apply(setting: str, arena, arena_mod, local, shipped: dict) -> None:
+    """Put the shipped choices back, then change the one that ``setting`` names."""
+    arena_mod.Arena._spin = shipped["_spin"]
+    arena.spin, arena.yield_mask, arena.futex = shipped["spin"], shipped["mask"], shipped["futex"]
+    local.ONE_SHOT_BYTES = shipped["one_shot"]
+    kind, _, micros = setting.partition(":")
+    polls, _, micros = micros.rpartition(":")  # "every:N:US" has a poll count
+    seconds = float(micros or 0) / 1e6
+    if kind == "one-shot":
         local.ONE_SHOT_BYTES = 1 << 40
-    elif setting == "two-phase":
+    elif kind == "two-phase":
         local.ONE_SHOT_BYTES = 0
-    elif setting == "engine":
-        arena.spin = 0.0  # straight to the engine's wait (what ranks > cores get)
-    elif setting != "yield":
+    elif kind == "engine":  # straight to the engine's wait (the choice before the futex)
+        arena.spin, arena.futex = 0.0, None
+    elif kind == "nofutex":  # the shipped poll, then the engine's wait
+        arena.futex = None
+    elif kind == "yield":  # poll and yield the CPU on every poll, then sleep on the futex
+        arena.spin, arena.yield_mask = seconds, 0
+    elif kind == "poll":  # poll and yield every other poll, then sleep on the futex
+        arena.spin, arena.yield_mask = seconds, 1
+    elif kind == "every":  # poll and yield the CPU every N polls (N a power of 2), then the futex
+        arena.spin, arena.yield_mask = seconds, int(polls) - 1
+    elif kind == "pure":  # poll without yielding, then sleep on the futex
         arena_mod.Arena._spin = _pure_spin
-        arena.spin = float(setting) / 1e6
-
-
-local_default: list[int] = []
+        arena.spin = seconds
 
 
 def _measure(sizes: list[int], settings: list[str]) -> dict:
     from pluribus_gloo import arena as arena_mod
     from pluribus_gloo import local
 
-    local_default.append(local.ONE_SHOT_BYTES)
-
-    shipped = arena_mod.Arena._spin
     backend = pb.get_default_group().backends["cpu"]
     arena = backend.arena
+    shipped = {
+        "_spin": arena_mod.Arena._spin,
+        "spin": arena.spin,
+        "mask": arena.yield_mask,
+        "futex": arena.futex,
+        "one_shot": local.ONE_SHOT_BYTES,
+    }
     results = {}
     for nbytes in sizes:
         x = np.zeros(nbytes // 4, np.float32)
         iters = max(5, min(100, (4 << 20) // nbytes * 5))
         samples: dict[str, list[float]] = {s: [] for s in settings}
+        costs: dict[str, list[float]] = {s: [0.0, 0.0] for s in settings}
         for _ in range(5):
             for setting in settings:
                 _apply(setting, arena, arena_mod, local, shipped)
                 backend.barrier()
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
                 for _ in range(iters):
                     backend.all_reduce(x, pb.ReduceOp.SUM)
                 samples[setting].append((time.perf_counter() - start) / iters * 1e6)
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                costs[setting][0] += cpu / iters / 5 * 1e6
+                costs[setting][1] += (after.ru_nvcsw - before.ru_nvcsw) / iters / 5
         for setting, values in samples.items():
             values.sort()
-            results[(nbytes, setting)] = (values[0], values[len(values) // 2])
-    _apply("yield", arena, arena_mod, local, shipped)
+            cpu, sleeps = costs[setting]
+            results[(nbytes, setting)] = (values[0], values[len(values) // 2], cpu, sleeps)
+    _apply("shipped", arena, arena_mod, local, shipped)
     return results
 
 
@@ -87,20 +114,24 @@ def main() -> None:
     parser.add_argument("--experiment", choices=("spin", "one-shot"), default="spin")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sizes", default="4096,65536,262144,4194304")
-    parser.add_argument("--pure", default="50,300,1000", help="pure-spin lengths in µs")
+    parser.add_argument(
+        "--settings",
+        default="shipped,engine,nofutex,yield:20,yield:100,pure:50",
+        help="--experiment spin: shipped, engine, nofutex, yield:US, poll:US, every:N:US, pure:US",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.experiment == "spin":
-        settings = ["yield", "engine", *args.pure.split(",")]
+        settings = args.settings.split(",")
     else:
         settings = ["one-shot", "two-phase"]
     print(f"# load before: {os.getloadavg()}")
     got = run_ranks(_measure, args.nproc, "gloo", "processes", timeout=600, args=(sizes, settings))
     print(f"# load after: {os.getloadavg()}")
-    print(f"# {'bytes':>10} {'setting':>12} {'min us':>10} {'median us':>10}")
-    for (nbytes, setting), (low, mid) in got[0].items():
-        name = setting if not setting[0].isdigit() else f"pure {setting}us"
-        print(f"  {nbytes:>10} {name:>12} {low:>10.1f} {mid:>10.1f}")
+    head = ("bytes", "setting", "min us", "median us", "cpu us", "sleeps")
+    print("# {:>10} {:>12} {:>10} {:>10} {:>8} {:>7}".format(*head))
+    for (nbytes, setting), (low, mid, cpu, sleeps) in got[0].items():
+        print(f"  {nbytes:>10} {setting:>12} {low:>10.1f} {mid:>10.1f} {cpu:>8.1f} {sleeps:>7.2f}")
 
 
 if __name__ == "__main__":

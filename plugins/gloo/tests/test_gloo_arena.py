@@ -36,6 +36,7 @@ def gloo_segments() -> set[str]:
 
 class _Link:
     shm = True
+    eof = False
 
 
 class _FakeEngine:
@@ -53,6 +54,9 @@ class _FakeEngine:
         self.failed = self.failed or error
 
     def _ring_doorbell(self, link):
+        pass
+
+    def _check_control(self):
         pass
 
     def wait(self, op: Op, timeout: float, position: tuple | None = None):
@@ -158,6 +162,37 @@ def test_arena_algorithms_match_numpy(size, n, half, one_shot, calls):
         for q in range(size):
             np.testing.assert_array_equal(outs[q], scatter_in[q, starts[q] : starts[q + 1]])
         np.testing.assert_array_equal(b, inputs[0, size - 1])
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+@pytest.mark.parametrize(
+    "dtype, ufunc",
+    [(np.float32, np.add), (np.int8, np.add), (np.int64, np.maximum), (np.bool_, np.logical_or)],
+)
+def test_arena_one_element_all_reduce(size, dtype, ufunc):
+    """One element takes its own path (one reduction over every rank's first element, in both
+    halves): numpy's answer on every rank, the same bits everywhere, and an int8 sum wraps as
+    numpy's does."""
+    arenas = _thread_arenas(size, 4096)
+    rng = np.random.default_rng(size)
+    inputs = (rng.standard_normal((3, size, 1)) * 60).astype(dtype)
+
+    def rank_fn(a, r):
+        out = []
+        for c in range(3):
+            x = inputs[c, r].copy()
+            _announce(a, 2, 1)
+            local.all_reduce(a, x, ufunc)
+            out.append(x)
+        return out
+
+    results = _in_threads(arenas, rank_fn)
+    for c in range(3):
+        expected = ufunc.reduce(inputs[c], axis=0, dtype=dtype)  # int8 wraps, as one call does
+        for out in results:
+            assert out[c].dtype == dtype
+            np.testing.assert_allclose(out[c], expected, rtol=1e-6)
+            assert out[c].tobytes() == results[0][c].tobytes()
 
 
 def test_arena_mismatch_is_found_even_without_waiting():

@@ -10,8 +10,16 @@ control words, each on its own cache line:
 - ``announce``: the collective this rank is running (sequence number, kind, dtype, op, count),
   written like a seqlock, so that a peer that runs something else is named at once instead of
   hanging until the timeout.
-- ``sleeping``: set while the rank sleeps in ``poll``; a publisher that sees it rings the rank's
-  socket.
+- ``sleeping``: set while the rank sleeps in the engine's ``poll``; a publisher that sees it
+  rings the rank's socket. In the same line, ``sleeps_on``: the peer on whose ``stage`` word
+  this rank sleeps (a futex, see :mod:`pluribus_gloo.futex`); that peer wakes the word after it
+  publishes.
+
+A waiting rank first polls the counters (100 µs, yielding the CPU every other poll; when the host
+runs more ranks than cores it yields on every poll, so that a peer queued on the same CPU runs),
+then sleeps on the futex of a peer that has not published yet, in 2 ms slices between which it
+checks for failures, mismatches and closed peer sockets (a dead peer), and after 50 ms hands the
+wait to the engine, whose loop also keeps the group's timeout.
 
 Each *round* of a collective starts with a write into one half and a publish, and ends with the
 reads of that half; the next round uses the other half. A rank writes into a half only after every
@@ -35,7 +43,7 @@ import time
 import numpy as np
 from pluribus.errors import CollectiveMismatchError
 
-from . import shm, wire
+from . import futex, shm, wire
 from .engine import Op
 
 log = logging.getLogger("pluribus.gloo")
@@ -47,10 +55,17 @@ DEFAULT_HALF_BYTES = 1 << 20
 LINE = 64
 # the control words of one rank, as indices into the control block seen as uint64
 WORDS_PER_RANK = 5 * LINE // 8
-STAGE, ANN_SEQ, ANN_CODE, ANN_COUNT, SLEEPING = 0, 8, 16, 24, 32
-#: How long a waiter polls the flags itself before it hands the wait to the engine (which checks
-#: for dead peers, timeouts and aborts, and sleeps). Off when the host has more ranks than cores.
+STAGE, ANN_SEQ, ANN_CODE, ANN_COUNT, SLEEPING, SLEEPS_ON = 0, 8, 16, 24, 32, 33
+#: How long a waiter polls the flags itself before it sleeps on them, yielding the CPU every
+#: other poll; when the host has more ranks than cores, ``YIELD_SECONDS`` instead, yielding on
+#: every poll.
 SPIN_SECONDS = float(os.environ.get("PLURIBUS_GLOO_ARENA_SPIN_US", 100)) / 1e6
+YIELD_SECONDS = float(os.environ.get("PLURIBUS_GLOO_ARENA_YIELD_US", 100)) / 1e6
+#: How long a waiter sleeps on the flags (woken by the peer it waits for) before it hands the
+#: wait to the engine, which also watches the sockets for dead peers; and the slice of one sleep,
+#: after which it checks for failures, mismatches and that deadline.
+SLEEP_SECONDS = float(os.environ.get("PLURIBUS_GLOO_ARENA_SLEEP_MS", 50)) / 1e3
+SLEEP_SLICE = 0.002
 
 
 def _control_bytes(size: int) -> int:
@@ -80,10 +95,20 @@ class Arena:
             [data[(2 * r + h) * half : (2 * r + h + 1) * half] for r in range(size)] for h in (0, 1)
         ]
         self.typed: dict[np.dtype, list[list[np.ndarray]]] = {}
+        self.firsts: dict[np.dtype, list[np.ndarray]] = {}
         self.stage = self.control[self.mine + STAGE]
         self.round = 0
         self.peers = [r for r in range(size) if r != rank]
-        self.spin = 0.0 if engine.yield_while_spinning else SPIN_SECONDS
+        crowded = engine.yield_while_spinning
+        self.spin = YIELD_SECONDS if crowded else SPIN_SECONDS
+        self.yield_mask = 0 if crowded else 1
+        # the futex handles of every rank's counter (its low 32 bits), and the one this rank
+        # sleeps on now
+        self.futex = futex.Futex(SLEEP_SLICE) if futex.available() else None
+        address = np.frombuffer(segment, dtype=np.uint8, count=8).ctypes.data
+        self.stage_words = [futex.word(address + 8 * i) for i in self.stage_index]
+        self.sleeping_on = None
+        self.watched_mark = rank + 1  # what a peer sleeping on our counter writes in SLEEPS_ON
         self.call_seq = 0
         self.call_code = 0
         self.call_count = 0
@@ -112,17 +137,36 @@ class Arena:
             typed = self.typed[dtype] = [[h.view(dtype) for h in pair] for pair in self.halves]
         return typed[self.round & 1]
 
+    def first_elements(self, dtype: np.dtype) -> np.ndarray:
+        """Element 0 of every rank's half of the current round, as one ``(size, 1)`` array
+        (ranks' halves lie ``2 * half`` bytes apart): a one-element all-reduce reduces it in one
+        numpy call, where a call per rank costs 1.4 µs on one-element arrays."""
+        firsts = self.firsts.get(dtype)
+        if firsts is None:
+            stride = (2 * self.half, np.dtype(dtype).itemsize)
+            firsts = self.firsts[dtype] = [
+                np.lib.stride_tricks.as_strided(pair[0], (self.size, 1), stride)
+                for pair in self.typed[dtype]
+            ]
+        return firsts[self.round & 1]
+
     def sync(self) -> None:
         """Publish one phase and wait until every peer has published it too."""
         self.stage += 1
         c = self.control
         c[self.mine + STAGE] = self.stage
         engine = self.engine
+        watched = False
         for peer in self.peers:
-            if c[peer * WORDS_PER_RANK + SLEEPING]:
-                c[peer * WORDS_PER_RANK + SLEEPING] = 0
+            base = peer * WORDS_PER_RANK
+            if c[base + SLEEPING]:
+                c[base + SLEEPING] = 0
                 engine._ring_doorbell(engine.links[self.world_ranks[peer]])
-        if self._arrived() or self._spin():
+            if c[base + SLEEPS_ON] == self.watched_mark:
+                watched = True
+        if watched:
+            futex.wake(self.stage_words[self.rank])
+        if self._arrived() or self._spin() or self._sleep():
             if self.unchecked:
                 self._check_after_arrival()
             return
@@ -136,21 +180,75 @@ class Arena:
             self._check_after_arrival()
 
     def _spin(self) -> bool:
-        """Poll the flags for up to ``self.spin`` seconds, yielding the CPU every other poll: on a
-        busy host the peer we wait for may be queued on this very CPU (measured: a pure spin
-        costs about its whole length per call there), on an idle one a yield returns at once."""
+        """Poll the flags for up to ``self.spin`` seconds, yielding the CPU every other poll (every
+        poll when the host runs more ranks than cores): on a busy host the peer we wait for may
+        be queued on this very CPU (measured: a pure spin costs about its whole length per call
+        there), on an idle one a yield returns at once."""
         if not self.spin:
             return False
         deadline = time.monotonic() + self.spin
         polls = 0
+        mask = self.yield_mask
         while True:
             if self._arrived():
                 return True
             polls += 1
-            if polls & 1 == 0:
+            if polls & mask == 0:
                 os.sched_yield()
             if time.monotonic() > deadline:
                 return False
+
+    def _sleep(self) -> bool:
+        """Sleep on the counter of a peer that has not published yet (its next publish wakes us),
+        in slices, for up to ``SLEEP_SECONDS``; False when the wait must go on in the engine (a
+        failure, a mismatch, a dead peer, or a peer that is this late: the engine raises the
+        errors and keeps the timeout)."""
+        if self.futex is None:
+            return False
+        c, target, engine = self.control, self.stage, self.engine
+        checked = time.monotonic()
+        end = checked + SLEEP_SECONDS
+        while True:
+            if engine.failed is not None:  # also set before a close unmaps the segment
+                return False
+            for peer in self.peers:
+                index = peer * WORDS_PER_RANK + STAGE
+                seen = c[index]
+                if seen < target:
+                    break
+            else:
+                return True
+            now = time.monotonic()
+            if now > end:
+                return False
+            if now - checked > SLEEP_SLICE:
+                checked = now
+                if self._peer_gone():
+                    return False
+            if self.unchecked and self._mismatch() is not None:
+                return False
+            # only this rank writes its mark, so no publisher can clear one it did not see
+            c[self.mine + SLEEPS_ON] = peer + 1
+            self.sleeping_on = self.stage_words[peer]
+            if c[index] == seen:
+                self.futex.wait(self.sleeping_on, seen)
+            self.sleeping_on = None
+            if engine.failed is not None:
+                return False  # a close may have released the segment: touch nothing
+            c[self.mine + SLEEPS_ON] = 0
+
+    def _peer_gone(self) -> bool:
+        """Read the peers' sockets (a dead peer's closes) between two slices of a sleep: the engine
+        then names the dead rank as soon as it would have while waiting itself."""
+        engine = self.engine
+        engine._check_control()
+        return any(engine.links[self.world_ranks[p]].eof for p in self.peers)
+
+    def interrupt(self) -> None:
+        """Wake this rank's own sleep (the engine failed or was aborted in another thread)."""
+        handle = self.sleeping_on
+        if handle is not None:
+            futex.wake(handle)
 
     def _check_after_arrival(self) -> None:
         """Every peer has published the first phase of this call, so each has announced it (or
@@ -216,6 +314,7 @@ class Arena:
         self.control = None
         self.halves = None
         self.typed = {}
+        self.firsts = {}
         try:
             self.segment.close()
         except BufferError:

@@ -724,6 +724,8 @@ class Engine:
             except OSError:
                 pass
         self._wake()
+        for arena in self.arenas:  # a call of another thread may sleep on a group's flags
+            arena.interrupt()
 
     def abort(self, reason: str) -> None:
         with self.mutex:
@@ -899,6 +901,7 @@ class Engine:
                     except BufferError:
                         pass  # a view is still alive somewhere; the mapping goes with it
             for arena in self.arenas:
+                arena.interrupt()
                 arena.close()
             self.arenas = []
             for fd in (self._wake_r, self._wake_w):

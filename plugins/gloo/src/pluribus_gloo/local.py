@@ -55,6 +55,8 @@ def _all_reduce_one_shot(arena, data: np.ndarray, ufunc) -> None:
     arena.sync()
     if arena.size == 2:
         ufunc(halves[0][:n], halves[1][:n], out=data)
+    elif n == 1:
+        ufunc.reduce(arena.first_elements(data.dtype), axis=0, out=data)
     else:
         _reduce_in_order(ufunc, [h[:n] for h in halves], data)
 
