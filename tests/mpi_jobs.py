@@ -4,7 +4,9 @@ tests starting their own job use."""
 
 import os
 import shutil
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,24 @@ def mpiexec() -> str:
     if found is None:
         pytest.skip("no mpiexec: pip install mpich (or load your MPI module)")
     return found
+
+
+def run_script(
+    folder: Path, source: str, ranks: int, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """Run ``source`` as an MPI job of ``ranks`` in a session of its own (so that nothing
+    outlives the test), with this environment less pluribus' and MPI's settings, plus ``env``;
+    skips when this pytest is itself a rank."""
+    if under_mpiexec():
+        pytest.skip("starts its own MPI job")
+    script = folder / "mpi_job.py"
+    script.write_text(textwrap.dedent(source))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
+    return subprocess.run(
+        [mpiexec(), "-n", str(ranks), sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        timeout=timeout,
+        start_new_session=True,
+    )

@@ -4,10 +4,6 @@ killed rank is in test_dead_peers.py (named in the job's output, nothing left be
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import mpi_jobs
@@ -42,20 +38,7 @@ pb.destroy_process_group()
 
 @pytest.mark.timeout(90)
 def test_detail_catches_dtype_op_and_root_mismatches_on_mpi(tmp_path):
-    if mpi_jobs.under_mpiexec():
-        pytest.skip("starts its own MPI job")
-    script = tmp_path / "mismatch.py"
-    script.write_text(textwrap.dedent(MISMATCH))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
-    env["PLURIBUS_DEBUG"] = "DETAIL"
-    done = subprocess.run(
-        [mpi_jobs.mpiexec(), "-n", "4", sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        start_new_session=True,
-    )
+    done = mpi_jobs.run_script(tmp_path, MISMATCH, 4, {"PLURIBUS_DEBUG": "DETAIL"}, timeout=60)
     for rank in range(4):
         for case in ("dtype", "op", "root"):
             assert f"rank {rank} {case}: disagree" in done.stdout, done.stdout + done.stderr
@@ -85,21 +68,9 @@ except DistTimeoutError as exc:
 
 @pytest.mark.timeout(90)
 def test_without_abort_the_ranks_that_waited_name_the_absent_rank_and_end(tmp_path):
-    if mpi_jobs.under_mpiexec():
-        pytest.skip("starts its own MPI job")
-    script = tmp_path / "straggler.py"
-    script.write_text(textwrap.dedent(STRAGGLER))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
-    env["PLURIBUS_MPI_ABORT_ON_ERROR"] = "0"
     start = time.monotonic()
-    done = subprocess.run(
-        [mpi_jobs.mpiexec(), "-n", "4", sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=75,
-        start_new_session=True,
-    )
+    env = {"PLURIBUS_MPI_ABORT_ON_ERROR": "0"}
+    done = mpi_jobs.run_script(tmp_path, STRAGGLER, 4, env, timeout=75)
     took = time.monotonic() - start
     out = done.stdout + done.stderr
     raised = [line for line in out.splitlines() if " raised after " in line]
