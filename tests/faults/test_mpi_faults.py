@@ -79,7 +79,7 @@ def test_without_abort_the_ranks_that_waited_name_the_absent_rank_and_end(tmp_pa
     for line in raised:
         assert "all_reduce" in line and "#2" in line, out
         assert "rank(s) [3] did not reach it" in line, out
-        assert float(line.split(" raised after ")[1].split("s:")[0]) < 3 + 2.5, out
+        assert float(line.split(" raised after ")[1].split("s:")[0]) < 3 + 7, out  # timeout 3 s
     assert "exits without MPI_Finalize" in out, out
     assert took < 30, f"the job took {took:.0f}s: the ranks waited for rank 3 to end ({out})"
     assert done.returncode != 0, out
