@@ -154,29 +154,11 @@ def test_nested_calls_across_three_workers():
 def test_deep_nesting_does_not_deadlock_a_pool_of_one_thread():
     """Each handler waits for a handler on the other worker, 40 deep, with one handler thread
     per worker: only the pool's giving up its place while waiting lets this finish."""
-    from rpc_cases import HashStore  # noqa: F401  (same store type as the harness)
 
-    store = c.HashStore()
-    import threading
+    def main(rank):
+        return rpc.rpc_sync("w1", c.ping_pong, args=(40, "w0")) if rank == 0 else None
 
-    results = {}
-
-    def body(rank):
-        rpc.init_rpc(
-            f"w{rank}", rank=rank, world_size=2, store=store, timeout=20, num_worker_threads=1
-        )
-        try:
-            if rank == 0:
-                results[0] = rpc.rpc_sync("w1", c.ping_pong, args=(40, "w0"))
-        finally:
-            rpc.shutdown(timeout=20)
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
-    assert results == {0: 40}
+    assert run_threads(2, main, num_worker_threads=1)[0] == 40
 
 
 def test_rref_counts_across_three_workers():
@@ -261,32 +243,16 @@ def test_shutdown_finishes_calls_in_flight():
 
 
 def test_a_message_larger_than_the_callee_accepts_is_refused_at_the_caller():
-    store = c.HashStore()
-    import threading
+    def main(rank):
+        if rank != 0:
+            return None
+        with pytest.raises(ValueError) as refused:
+            rpc.rpc_sync("w1", c.scale, args=(np.zeros(1024), 2.0))
+        return str(refused.value), rpc.rpc_sync("w1", c.scale, args=(np.ones(8), 2.0)).sum()
 
-    errors = []
-
-    def body(rank):
-        rpc.init_rpc(
-            f"w{rank}", rank=rank, world_size=2, store=store, timeout=20, max_message_bytes=4096
-        )
-        try:
-            if rank == 0:
-                try:
-                    rpc.rpc_sync("w1", c.scale, args=(np.zeros(1024), 2.0))
-                except ValueError as exc:
-                    errors.append(str(exc))
-                errors.append(rpc.rpc_sync("w1", c.scale, args=(np.ones(8), 2.0)).sum())
-        finally:
-            rpc.shutdown(timeout=20)
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert "8192 bytes of arrays, more than worker 'w1' accepts (4096" in errors[0]
-    assert errors[1] == 16.0
+    message, after = run_threads(2, main, max_message_bytes=4096)[0]
+    assert "8192 bytes of arrays, more than worker 'w1' accepts (4096" in message
+    assert after == 16.0
 
 
 def test_a_dead_worker_fails_pending_calls_at_once():
