@@ -55,7 +55,7 @@ def test_plain_calls_travel_as_call_frames_and_arrive_exactly(frame_kinds):
         frame_kinds.clear()
         added = rpc.rpc_sync("w1", c.add, args=(2, 3))
         kinds_add = list(frame_kinds)
-        nan = rpc.rpc_async("w1", c.add, args=(math.nan, 1.0)).wait()
+        nan = rpc.rpc_async("w1", c.add, args=(math.nan, 1.0)).wait(20)
         return echoed, kinds_echo, added, kinds_add, nan
 
     echoed, kinds_echo, added, kinds_add, nan = run_threads(2, main)[0]

@@ -158,7 +158,7 @@ def test_futex_wait_returns_at_once_when_the_word_differs_and_wakes_on_wake():
     thread = threading.Thread(target=publish)
     thread.start()
     sleeper.wait(handle, 0)
-    thread.join()
+    thread.join(10)
     assert time.monotonic() - start < 10, "woken by the wake, not the 30 s slice"
     word[0] = (1 << 32) + 7  # only the low 32 bits count
     start = time.monotonic()
