@@ -42,6 +42,40 @@ def test_dead_peer_is_named_on_every_rank_within_seconds():
     assert elapsed < 30, f"the dead peer took {elapsed:.0f}s to surface (the timeout is 60s)"
 
 
+class _AlwaysBusyWorker:
+    """A UCX worker whose ``arm`` always reports events to process first: what UCX does for
+    good, now and then, after a peer dies in the middle of a transfer."""
+
+    def __init__(self, worker):
+        self._worker = worker
+
+    def arm(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._worker, name)
+
+
+def _die_while_peer_never_sleeps() -> None:
+    x = np.ones(1 << 18, np.float32)
+    pb.all_reduce(x)
+    if pb.get_rank() == 1:
+        os._exit(3)
+    transport = pb.get_default_group().backends["cpu"].t
+    transport.worker = _AlwaysBusyWorker(transport.worker)
+    pb.recv(x, 1)
+
+
+@pytest.mark.timeout(90)
+def test_dead_peer_is_named_when_ucx_never_lets_the_wait_sleep():
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_die_while_peer_never_sleeps, 2, "ucc", mode="processes", timeout=30)
+    errors = {e.rank: e for e in info.value.errors}
+    assert errors[0].kind == "PeerError" and "rank 1 is gone" in errors[0].message, errors[0]
+    assert time.monotonic() - start < 20, "the dead peer was found only by the timeout"
+
+
 def _one_rank_raises() -> None:
     if pb.get_rank() == 1:
         raise RuntimeError("boom in user code")

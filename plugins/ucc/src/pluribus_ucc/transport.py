@@ -51,6 +51,9 @@ _LOW_MASK = (1 << SUBGROUP_SHIFT) - 1
 _BYE, _ABORT, _TIMED_OUT = b"B", b"A", b"T"
 #: A peer that closed cleanly may still have messages in flight; fail waits on it after this long.
 CLOSE_GRACE = 1.0
+#: While UCX keeps reporting events (so the wait never sleeps in epoll), look at the lifelines
+#: this often.
+LIFELINE_LOOK = 0.005
 
 
 def ucx_tag(src: int, tag: int) -> int:
@@ -224,6 +227,7 @@ class Transport:
         deadline = time.monotonic() + timeout
         cuda = any(op.cuda for op in ops)
         spin_until = time.monotonic() + (self.cuda_spin if cuda else self.spin)
+        next_lifeline_look = spin_until
         with self.lock:
             try:
                 while True:
@@ -255,7 +259,12 @@ class Transport:
                         self.lock.acquire()
                         continue
                     if not self.worker.arm():
-                        continue  # UCX has events to process first
+                        # UCX has events to process first. A peer that died mid-transfer can
+                        # keep UCX busy like this for good, so the lifelines are still read.
+                        if now >= next_lifeline_look:
+                            self._handle_events(self.poller.poll(0))
+                            next_lifeline_look = now + LIFELINE_LOOK
+                        continue
                     # CUDA copies complete without a file-descriptor event: poll them.
                     sleep = 0.0005 if cuda else min(deadline - now, 1.0)
                     self.leader_sleeping = True
