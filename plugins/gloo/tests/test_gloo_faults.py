@@ -87,6 +87,12 @@ def _mismatched_collectives() -> None:
         pb.all_reduce(x)
 
 
+def _mismatched_roots_then_barrier() -> None:
+    rank = pb.get_rank()
+    pb.broadcast(np.ones(100, dtype=np.float32), src=rank)  # each root only sends
+    pb.barrier()  # meets the peer's broadcast, which arrived late for this rank's own
+
+
 def _mismatched_dtypes() -> None:
     rank = pb.get_rank()
     pb.all_reduce(np.ones(64, dtype=np.float64 if rank == 1 else np.float32))
@@ -101,6 +107,7 @@ def _mismatched_dtypes() -> None:
         (_mismatched_ops, 2, "0", ("op=MAX", "op=SUM")),
         (_mismatched_collectives, 3, "1", ("broadcast", "all_reduce")),
         (_mismatched_dtypes, 2, "0", ("float64", "float32")),
+        (_mismatched_roots_then_barrier, 2, "0", ("root=0", "root=1")),
     ],
     ids=[
         "sizes-ring-shm",
@@ -109,6 +116,7 @@ def _mismatched_dtypes() -> None:
         "ops-socket",
         "collectives-shm",
         "dtypes-socket",
+        "stale-broadcast-socket",
     ],
 )
 @pytest.mark.timeout(120)

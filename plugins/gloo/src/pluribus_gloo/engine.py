@@ -54,6 +54,10 @@ _DOORBELL = wire.pack(0, 0, 0, 0, 0, 0, 0, 0, 0, mtype=wire.DOORBELL)
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 
 
+#: How many of a group's last collectives a rank remembers for mismatch messages.
+RECENT_CALLS = 8
+
+
 class Op:
     """The requests of one call (a collective or a point-to-point operation)."""
 
@@ -222,6 +226,9 @@ class Engine:
         self._last_ctl_check = 0.0
         # per group channel: the collective this rank runs or ran last (seq, kind, root, what)
         self.current: dict[int, tuple] = {}
+        # per group channel: the last few collectives' (seq, what), so that a stale message from
+        # an earlier call is named against what this rank called at that step
+        self.recent: dict[int, collections.deque] = {}
         self.store_down = False  # a store call failed or hung: rank 0 (its server) is gone
 
     # -- posting ----------------------------------------------------------------------------------
@@ -272,6 +279,10 @@ class Engine:
         """Note the collective this rank starts on a group; messages peers sent for another
         collective at this step, already waiting here, are a mismatch at once."""
         self.current[channel] = (seq, kind, root, what)
+        recent = self.recent.get(channel)
+        if recent is None:
+            recent = self.recent[channel] = collections.deque(maxlen=RECENT_CALLS)
+        recent.append((seq, what))
         key = (channel, wire.COLLECTIVE_TAG)
         for link in self.link_list:
             for stash in link.unexpected.get(key, ()):
@@ -292,8 +303,9 @@ class Engine:
         theirs = wire.describe(h.kind, h.dtype, h.op, h.count, root=h.root)
         error = CollectiveMismatchError(
             f"rank {self.rank}: collective mismatch: rank {link.peer} called {theirs} as its "
-            f"collective #{h.seq} while rank {self.rank} called {what()}; every rank of a group "
-            "must call the same collectives in the same order, with the same root"
+            f"collective #{h.seq} while rank {self.rank} called "
+            f"{self._called(h.channel, h.seq, what())}; every rank of a group must call the same "
+            "collectives in the same order, with the same root"
         )
         self._fail(error, "mismatch", -1)
         return True
@@ -352,10 +364,15 @@ class Engine:
                 f"rank {peer} sent a block of {h.nbytes} bytes where rank {self.rank} expected "
                 f"{req.nbytes} (the ranks passed lists of arrays of different sizes)"
             )
-        else:
+        elif h.seq == req.seq:
             detail = (
                 f"rank {peer} called {theirs} as its collective #{h.seq} while rank {self.rank} "
                 f"called {mine} as #{req.seq}"
+            )
+        else:
+            detail = (
+                f"rank {peer} called {theirs} as its collective #{h.seq} while rank {self.rank} "
+                f"called {self._called(h.channel, h.seq, req.op.what)}"
             )
         error = CollectiveMismatchError(
             f"rank {self.rank}: collective mismatch in {req.op.what}: {detail}; every rank of a "
@@ -364,6 +381,15 @@ class Engine:
         )
         self._fail(error, "mismatch", -1)
         return False
+
+    def _called(self, channel: int, seq: int, now: str) -> str:
+        """What this rank called as collective ``seq`` of ``channel`` and, when that was an
+        earlier call (a peer's message for it arrived late), what it runs ``now``."""
+        for earlier, what in self.recent.get(channel, ()):
+            if earlier == seq:
+                said = what()
+                return said if said == now else f"{said}, and is now in {now}"
+        return f"{now}; its collective #{seq} is too far back to name"
 
     def _apply_stash(self, stash: RecvReq, req: RecvReq) -> None:
         if req.ufunc is None:
