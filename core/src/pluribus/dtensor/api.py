@@ -98,29 +98,35 @@ class DTensor:
     # -- redistribute -----------------------------------------------------------------------
 
     def redistribute_plan(
-        self, placements: Sequence[Placement], cost: CostModel | None = None
+        self,
+        placements: Sequence[Placement],
+        cost: CostModel | None = None,
+        *,
+        donate: bool = False,
     ) -> Plan:
-        """What :meth:`redistribute` to ``placements`` will do: steps, bytes, predicted time."""
-        plan = self._plan(tuple(placements))
+        """What :meth:`redistribute` to ``placements`` (with the same ``donate``) will do: steps,
+        the collectives each calls with their bytes, predicted time."""
+        plan = self._plan(tuple(placements), donate)
         if cost is not None and cost != DEFAULT_COST:
             plan = make_plan(
                 plan.src, plan.dst, self._mesh.shape, self._mesh.coordinate,
-                np.dtype(self.dtype).itemsize, cost,
+                np.dtype(self.dtype).itemsize, cost, donate,
             )  # fmt: skip
         return plan
 
-    def _plan(self, placements: tuple[Placement, ...]) -> Plan:
+    def _plan(self, placements: tuple[Placement, ...], donate: bool) -> Plan:
         mesh = self._mesh
         local = self._local if self._local is not None else self.to_local()
-        key = (self._layout, placements, local.dtype)
+        key = (self._layout, placements, local.dtype, donate)
         try:
             return mesh.plan_cache[key]
         except KeyError:
             pass
         targets = normalize_placements(placements, self.ndim, mesh.shape, _rank())
         dst = default_layout(self.shape, targets, mesh.shape)
+        itemsize = np.dtype(local.dtype).itemsize
         plan = mesh.plan_cache[key] = make_plan(
-            self._layout, dst, mesh.shape, mesh.coordinate, np.dtype(self.dtype).itemsize
+            self._layout, dst, mesh.shape, mesh.coordinate, itemsize, DEFAULT_COST, donate
         )
         return plan
 
@@ -146,8 +152,8 @@ class DTensor:
             raise ValueError(f"rank {_rank()}: redistribute needs placements=")
         if self._pending is not None:
             self.wait()
-        plan = self._plan(placements if type(placements) is tuple else tuple(placements))
-        work, finish = execute(self._mesh, plan, self.to_local(), async_op, donate)
+        plan = self._plan(placements if type(placements) is tuple else tuple(placements), donate)
+        work, finish = execute(self._mesh, plan, self.to_local(), async_op)
         if donate and plan.steps:
             self._local = None
         if work is None:
@@ -323,7 +329,11 @@ DTensor.from_local = staticmethod(from_local)  # torch's spelling: DTensor.from_
 
 
 def redistribute_plan(
-    src: DTensor, placements: Sequence[Placement], cost: CostModel | None = None
+    src: DTensor,
+    placements: Sequence[Placement],
+    cost: CostModel | None = None,
+    *,
+    donate: bool = False,
 ) -> Plan:
-    """The plan ``src.redistribute(placements=...)`` will run (see :class:`Plan`)."""
-    return src.redistribute_plan(placements, cost)
+    """The plan ``src.redistribute(placements=..., donate=...)`` will run (see :class:`Plan`)."""
+    return src.redistribute_plan(placements, cost, donate=donate)

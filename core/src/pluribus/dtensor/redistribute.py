@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import distributed as dist
 from ..nn.module import array_namespace
+from .layout import split_sizes
 from .plan import Plan, Step
 
 Finish = Callable[[], Any]
@@ -33,7 +34,7 @@ def _offsets(sizes) -> list[int]:
     return out
 
 
-def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
+def run_step(mesh: Any, step: Step, local: Any, async_op: bool):
     """Issue ``step`` on ``local``; return ``(work, finish)``: ``finish()`` gives the new local
     array once ``work`` (None for synchronous or local steps) is done."""
     xp = np if type(local) is np.ndarray else array_namespace(local)
@@ -53,7 +54,9 @@ def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
     # perm: index along mesh dimension m -> rank in the group
     group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
-        array = local if owned else local.copy()
+        if step.how == "split":
+            return _split_all_reduce(xp, group, perm, identity, me, step, local, async_op)
+        array = local if step.how == "in place" else local.copy()
         work = dist.all_reduce(array, op=step.src.reduce_op, group=group, async_op=async_op)
         return work, lambda: array
     if kind == "all_gather":
@@ -87,42 +90,81 @@ def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
     raise AssertionError(f"unknown step {kind}")
 
 
+def _split_all_reduce(xp, group, perm, identity, me, step: Step, local, async_op):
+    """All-reduce without writing ``local``: a reduce-scatter of its flat chunks into this rank's
+    chunk of a new array, then an all-gather of that chunk in place."""
+    source = local.reshape(-1)
+    out = xp.empty(local.shape, dtype=local.dtype)
+    flat = out.reshape(-1)
+    sizes = split_sizes(source.size, step.group_size)
+    offsets = _offsets(sizes)
+    mine = flat[offsets[me] : offsets[me] + sizes[me]]
+    op = step.src.reduce_op
+    if identity and len(set(sizes)) == 1:
+        dist.reduce_scatter(mine, source, op=op, group=group)
+        work = dist.all_gather(flat, mine, group=group, async_op=async_op)
+    else:
+        inputs, outputs = [None] * len(sizes), [None] * len(sizes)
+        for k, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+            inputs[perm[k]], outputs[perm[k]] = source[o : o + n], flat[o : o + n]
+        dist.reduce_scatter(mine, inputs, op=op, group=group)
+        work = dist.all_gather(outputs, mine, group=group, async_op=async_op)
+    return work, lambda: out
+
+
 def _all_to_all(xp, group, perm, me, step: Step, local, async_op):
+    """Every rank's part of the new sharding arrives straight in its place: the new piece is
+    built with the gathered dimension ``i`` first, where each sender's part is one contiguous
+    block (so for ``i == 0`` the piece needs no copy after the collective), and this rank's own
+    part is copied there instead of being sent to itself."""
     i, j = step.src.dim, step.dst.dim
     src_sizes, dst_sizes = step.src_sizes, step.dst_sizes
     src_off, dst_off = _offsets(src_sizes), _offsets(dst_sizes)
     p = len(src_sizes)
-    inputs, outputs, received = [None] * p, [None] * p, []
+    if i == j:  # the same dimension, other sizes: send the overlaps of the ranges
+        lo = [max(src_off[me], dst_off[k]) for k in range(p)]
+        hi = [min(src_off[me] + src_sizes[me], dst_off[k] + dst_sizes[k]) for k in range(p)]
+        sends = [(a - src_off[me], max(a, b) - src_off[me]) for a, b in zip(lo, hi, strict=True)]
+        got = [
+            max(0, min(src_off[k] + src_sizes[k], dst_off[me] + dst_sizes[me])
+                - max(src_off[k], dst_off[me]))
+            for k in range(p)
+        ]  # fmt: skip
+        along, shape = i, list(local.shape)
+    else:
+        sends = [(dst_off[k], dst_off[k] + dst_sizes[k]) for k in range(p)]
+        got = list(src_sizes)
+        along, shape = j, list(local.shape)
+        shape[j] = dst_sizes[me]
+    shape[i] = sum(got)
+    # the new piece with dimension i first
+    front = xp.empty((shape[i],) + tuple(n for d, n in enumerate(shape) if d != i), local.dtype)
+    inputs, outputs = [None] * p, [None] * p
+    start = 0
     for k in range(p):
-        if i == j:  # the same dimension, other sizes: send the overlap of ranges
-            lo = max(src_off[me], dst_off[k])
-            hi = min(src_off[me] + src_sizes[me], dst_off[k] + dst_sizes[k])
-            send = local[(slice(None),) * i + (slice(lo - src_off[me], max(lo, hi) - src_off[me]),)]
-            lo = max(src_off[k], dst_off[me])
-            hi = min(src_off[k] + src_sizes[k], dst_off[me] + dst_sizes[me])
-            shape = list(local.shape)
-            shape[i] = max(0, hi - lo)
+        block = front[start : start + got[k]]
+        start += got[k]
+        part = local[(slice(None),) * along + (slice(*sends[k]),)]
+        if i:
+            part = xp.moveaxis(part, i, 0)
+        if k == me:
+            block[...] = part
+            part = block
         else:
-            send = local[(slice(None),) * j + (slice(dst_off[k], dst_off[k] + dst_sizes[k]),)]
-            shape = list(local.shape)
-            shape[i], shape[j] = src_sizes[k], dst_sizes[me]
-        recv = xp.empty(tuple(shape), dtype=local.dtype)
-        inputs[perm[k]] = xp.ascontiguousarray(send)
-        outputs[perm[k]] = recv
-        received.append(recv)
+            part = xp.ascontiguousarray(part)
+        inputs[perm[k]], outputs[perm[k]] = part, block
     work = dist.all_to_all(outputs, inputs, group=group, async_op=async_op)
-    return work, lambda: xp.concatenate(received, axis=i)
+    return work, lambda: _back(xp, front, i)
 
 
-def execute(mesh: Any, plan: Plan, local: Any, async_op: bool = False, owned: bool = False):
+def execute(mesh: Any, plan: Plan, local: Any, async_op: bool = False):
     """Run every step of ``plan``; return ``(work, finish)`` as :func:`run_step` does (only the
-    last collective runs in the background: each step needs the one before). ``owned``: the
-    steps may write into ``local``."""
+    last collective runs in the background: each step needs the one before)."""
     steps = plan.steps
     for n, step in enumerate(steps):
         last = n == len(steps) - 1
-        work, finish = run_step(mesh, step, local, owned, async_op and last)
+        work, finish = run_step(mesh, step, local, async_op and last)
         if last:
             return work, finish
-        local, owned = finish(), owned or step.collective is not None  # a fresh array
+        local = finish()
     return None, lambda: local
