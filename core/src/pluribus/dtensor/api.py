@@ -16,7 +16,7 @@ from ..nn.module import array_namespace
 from .layout import Layout, default_layout, normalize_placements
 from .placements import Partial, Placement, Replicate, Shard
 from .plan import DEFAULT_COST, CostModel, Plan, make_plan
-from .redistribute import execute
+from .redistribute import Run, compile_plan
 
 
 def _rank() -> int:
@@ -72,10 +72,9 @@ class DTensor:
     def wait(self) -> DTensor:
         """Finish an ``async_op=True`` redistribute (any use of the local array also does)."""
         if self._pending is not None:
-            work, finish = self._pending
-            if work is not None:
-                work.wait()
-            self._local = finish()
+            work, out, post = self._pending
+            work.wait()
+            self._local = out if post is None else post(out)
             self._pending = None
         return self
 
@@ -106,7 +105,7 @@ class DTensor:
     ) -> Plan:
         """What :meth:`redistribute` to ``placements`` (with the same ``donate``) will do: steps,
         the collectives each calls with their bytes, predicted time."""
-        plan = self._plan(tuple(placements), donate)
+        plan = self._compiled(tuple(placements), donate)[0]
         if cost is not None and cost != DEFAULT_COST:
             plan = make_plan(
                 plan.src, plan.dst, self._mesh.shape, self._mesh.coordinate,
@@ -114,10 +113,11 @@ class DTensor:
             )  # fmt: skip
         return plan
 
-    def _plan(self, placements: tuple[Placement, ...], donate: bool) -> Plan:
+    def _compiled(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run]:
+        """The plan to ``placements`` and the function that runs it, cached on the mesh."""
         mesh = self._mesh
         local = self._local if self._local is not None else self.to_local()
-        key = (self._layout, placements, local.dtype, donate)
+        key = (self._layout, placements, type(local), local.dtype, donate)
         try:
             return mesh.plan_cache[key]
         except KeyError:
@@ -125,10 +125,12 @@ class DTensor:
         targets = normalize_placements(placements, self.ndim, mesh.shape, _rank())
         dst = default_layout(self.shape, targets, mesh.shape)
         itemsize = np.dtype(local.dtype).itemsize
-        plan = mesh.plan_cache[key] = make_plan(
+        plan = make_plan(
             self._layout, dst, mesh.shape, mesh.coordinate, itemsize, DEFAULT_COST, donate
         )
-        return plan
+        xp = np if type(local) is np.ndarray else array_namespace(local)
+        found = mesh.plan_cache[key] = (plan, compile_plan(mesh, plan, xp))
+        return found
 
     def redistribute(
         self,
@@ -152,13 +154,15 @@ class DTensor:
             raise ValueError(f"rank {_rank()}: redistribute needs placements=")
         if self._pending is not None:
             self.wait()
-        plan = self._plan(placements if type(placements) is tuple else tuple(placements), donate)
-        work, finish = execute(self._mesh, plan, self.to_local(), async_op)
+        plan, run = self._compiled(
+            placements if type(placements) is tuple else tuple(placements), donate
+        )
+        work, out, post = run(self.to_local(), async_op)
         if donate and plan.steps:
             self._local = None
         if work is None:
-            return DTensor(finish(), self._mesh, plan.dst)
-        return DTensor(None, self._mesh, plan.dst, _pending=(work, finish))
+            return DTensor(out if post is None else post(out), self._mesh, plan.dst)
+        return DTensor(None, self._mesh, plan.dst, (work, out, post))
 
     # -- operators (pluribus.dtensor.ops) ---------------------------------------------------
 
