@@ -35,7 +35,7 @@ _ORDER = {
 #: shared-memory all-reduce moves, without the copy, for a second collective's fixed cost).
 #: Measured on gloo, 2 and 4 ranks (BENCHMARKS.md). Where the piece may be written (``donate``,
 #: or an array an earlier step made) the step is the in-place all-reduce.
-SPLIT_ALL_REDUCE_BYTES = 256 << 10
+SPLIT_ALL_REDUCE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
