@@ -4,10 +4,10 @@ time, with their byte counts and an alpha-beta estimate of their time.
 Each mesh dimension changes with its cheapest step: Shard->Replicate all-gather,
 Partial->Replicate all-reduce (:data:`SPLIT_ALL_REDUCE_BYTES` says which form), Partial->Shard
 reduce-scatter, Shard(i)->Shard(j) (or the same dimension with other sizes) all-to-all,
-Replicate->Shard and Replicate->Partial local. Steps that
-shrink the data go first and all-gathers last, so later steps move less; where two mesh
-dimensions trade tensor dimensions (Shard(0), Shard(1) -> Shard(1), Shard(0)) one of them is
-gathered first, because a tensor dimension is sharded by one mesh dimension at a time.
+Replicate->Shard and Replicate->Partial local. Steps that shrink the data go first and
+all-gathers last, so later steps move less; where two mesh dimensions trade tensor dimensions
+(Shard(0), Shard(1) -> Shard(1), Shard(0)) one of them is gathered first, because a tensor
+dimension is sharded by one mesh dimension at a time.
 """
 
 from __future__ import annotations
