@@ -97,11 +97,11 @@ def _check_chain(mesh_shape, shape, chain, donate, seed, counting):
     mesh = init_device_mesh("cpu", mesh_shape)
     reference = np.random.default_rng(seed).integers(-9, 9, shape).astype(np.float64)
     x = _noisy(distribute_tensor(reference, mesh, chain[0]), seed)
-    for target, give in zip(chain[1:], donate, strict=False):
+    for k, (target, give) in enumerate(zip(chain[1:], donate, strict=False)):
         plan = x.redistribute_plan(target, donate=give)
         before = x.to_local().copy()
         mark = counting.mark(rank)
-        y = x.redistribute(placements=target, donate=give)
+        y = x.redistribute(placements=target, donate=give, async_op=k % 2 == 1).wait()
         issued = counting.since(rank, mark)
         expected = [
             (name, tuple(mesh.get_group(s.mesh_dim).ranks), nin, nout)
