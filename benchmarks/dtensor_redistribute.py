@@ -61,7 +61,7 @@ def _pairs(mesh, nbytes: int) -> dict:
     whole = np.zeros((nbytes // 4 // 256, 256), np.float32)
     shard = distribute_tensor(whole, mesh, [Shard(0)])
     partial = distribute_tensor(whole, mesh, [Partial()])
-    local = shard.to_local()
+    local, term = shard.to_local(), partial.to_local()
     buffer = whole.copy()
     p, rows = pb.get_world_size(), local.shape[0]
     cols = whole.shape[1] // p
@@ -80,6 +80,11 @@ def _pairs(mesh, nbytes: int) -> dict:
         "all_reduce": (
             lambda: partial.redistribute(placements=[Replicate()]),
             lambda: pb.all_reduce(buffer),
+        ),
+        # the same, against the hand-written call that also leaves its input intact
+        "all_reduce vs copy": (
+            lambda: partial.redistribute(placements=[Replicate()]),
+            lambda: pb.all_reduce(term.copy()),
         ),
         "all_reduce, donate": (
             lambda: DTensor(buffer, mesh, partial.layout).redistribute(
