@@ -111,6 +111,26 @@ def _plan_body():
     return True
 
 
+def _plan_alone(counting):
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = distribute_tensor(np.zeros((8, 4), np.float32), mesh, [Partial(), Shard(0)])
+    pb.barrier()
+    before = counting.groups_created
+    if pb.get_rank() == 0:  # one rank alone: reading a plan must not communicate
+        assert x.redistribute_plan([Shard(1), Replicate()]).collectives
+    pb.barrier()
+    assert counting.groups_created == before
+    pb.barrier()
+    y = x.redistribute(placements=[Shard(1), Replicate()])  # every rank: groups made here
+    np.testing.assert_array_equal(y.full_tensor(), np.zeros((8, 4), np.float32))
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_is_read_without_communicating(counting):
+    assert run_ranks(_plan_alone, 4, args=(counting,), timeout=40) == [True] * 4
+
+
 @pytest.mark.timeout(60)
 def test_plans_are_readable_cached_and_shrink_before_they_gather():
     assert run_ranks(_plan_body, 4) == [True] * 4

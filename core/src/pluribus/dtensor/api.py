@@ -114,7 +114,9 @@ class DTensor:
         return plan
 
     def _compiled(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run]:
-        """The plan to ``placements`` and the function that runs it, cached on the mesh."""
+        """The plan to ``placements`` and the function that runs it, cached on the mesh. The
+        function is compiled on its first call: compiling looks up the mesh's groups, which may
+        create them (collectively), and a plan alone must not communicate."""
         mesh = self._mesh
         local = self._local if self._local is not None else self.to_local()
         key = (self._layout, placements, type(local), local.dtype, donate)
@@ -129,7 +131,13 @@ class DTensor:
             self._layout, dst, mesh.shape, mesh.coordinate, itemsize, DEFAULT_COST, donate
         )
         xp = np if type(local) is np.ndarray else array_namespace(local)
-        found = mesh.plan_cache[key] = (plan, compile_plan(mesh, plan, xp))
+
+        def compile_and_run(local, async_op):
+            run = compile_plan(mesh, plan, xp)
+            mesh.plan_cache[key] = (plan, run)
+            return run(local, async_op)
+
+        found = mesh.plan_cache[key] = (plan, compile_and_run)
         return found
 
     def redistribute(
