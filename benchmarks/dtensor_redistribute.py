@@ -22,7 +22,9 @@ ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "
 
 
 def _rounds(fns: dict, seconds: float) -> dict:
-    """Median and fastest seconds per call of each function, measured in alternating batches."""
+    """Median and fastest seconds per call of each function, measured in alternating batches,
+    and (under ``"ratio"``, for two functions) the median over rounds of first / second: each
+    round's two batches run back to back, so that ratio sees the same load on both sides."""
     import pluribus as pb
 
     for fn in fns.values():
@@ -32,10 +34,10 @@ def _rounds(fns: dict, seconds: float) -> dict:
     start = time.perf_counter()
     next(iter(fns.values()))()
     once = max(time.perf_counter() - start, 1e-6)
-    per = pb.broadcast_object(int(min(500, max(1, 0.02 / once))))
+    per = pb.broadcast_object(int(min(500, max(1, 0.01 / once))))
     times: dict[str, list[float]] = {k: [] for k in fns}
     rounds = max(5, int(seconds / (once * per * len(fns)) + 1))
-    rounds = pb.broadcast_object(min(rounds, 40))
+    rounds = pb.broadcast_object(min(rounds, 100))
     for n in range(rounds):
         # alternate the order: the first batch after a barrier pays for the ranks' skew
         for name, fn in list(fns.items())[:: 1 if n % 2 else -1]:
@@ -44,7 +46,11 @@ def _rounds(fns: dict, seconds: float) -> dict:
             for _ in range(per):
                 fn()
             times[name].append((time.perf_counter() - start) / per)
-    return {k: (float(np.median(v)), float(np.min(v))) for k, v in times.items()}
+    out = {k: (float(np.median(v)), float(np.min(v))) for k, v in times.items()}
+    if len(fns) == 2:
+        first, second = times.values()
+        out["ratio"] = float(np.median(np.array(first) / np.array(second)))
+    return out
 
 
 def _pairs(mesh, nbytes: int) -> dict:
@@ -55,8 +61,17 @@ def _pairs(mesh, nbytes: int) -> dict:
     whole = np.zeros((nbytes // 4 // 256, 256), np.float32)
     shard = distribute_tensor(whole, mesh, [Shard(0)])
     partial = distribute_tensor(whole, mesh, [Partial()])
-    local = shard.to_local()
+    local, term = shard.to_local(), partial.to_local()
     buffer = whole.copy()
+    p, rows = pb.get_world_size(), local.shape[0]
+    cols = whole.shape[1] // p
+
+    def all_to_all_by_hand():
+        """Shard(0) -> Shard(1) as one would write it: column blocks out, row blocks in."""
+        out = np.empty((whole.shape[0], cols), np.float32)
+        sends = [np.ascontiguousarray(local[:, k * cols : (k + 1) * cols]) for k in range(p)]
+        pb.all_to_all([out[k * rows : (k + 1) * rows] for k in range(p)], sends)
+
     return {
         "all_gather": (
             lambda: shard.redistribute(placements=[Replicate()]),
@@ -65,6 +80,11 @@ def _pairs(mesh, nbytes: int) -> dict:
         "all_reduce": (
             lambda: partial.redistribute(placements=[Replicate()]),
             lambda: pb.all_reduce(buffer),
+        ),
+        # the same, against the hand-written call that also leaves its input intact
+        "all_reduce vs copy": (
+            lambda: partial.redistribute(placements=[Replicate()]),
+            lambda: pb.all_reduce(term.copy()),
         ),
         "all_reduce, donate": (
             lambda: DTensor(buffer, mesh, partial.layout).redistribute(
@@ -76,10 +96,14 @@ def _pairs(mesh, nbytes: int) -> dict:
             lambda: partial.redistribute(placements=[Shard(0)]),
             lambda: pb.reduce_scatter(np.empty_like(local), buffer),
         ),
+        "all_to_all": (
+            lambda: shard.redistribute(placements=[Shard(1)]),
+            all_to_all_by_hand,
+        ),
     }
 
 
-def _collectives(seconds: float):
+def _collectives(seconds: float, ops: list[str] | None):
     import pluribus as pb
     from pluribus.dtensor import init_device_mesh
 
@@ -87,8 +111,39 @@ def _collectives(seconds: float):
     out = []
     for label, nbytes in SIZES.items():
         for op, (ours, hand) in _pairs(mesh, nbytes).items():
+            if ops and op not in ops:
+                continue
             t = _rounds({"redistribute": ours, "hand": hand}, seconds)
-            out.append((label, op, t["redistribute"], t["hand"]))
+            out.append((label, op, t["redistribute"], t["hand"], t["ratio"]))
+    return out
+
+
+def _split_sweep(seconds: float):
+    """Partial -> Replicate without donating, both ways, against the in-place all-reduce by
+    hand, from 16 KiB to 16 MiB: where the copy costs more than a second collective."""
+    import pluribus as pb
+    from pluribus.dtensor import Partial, Replicate, distribute_tensor, init_device_mesh
+    from pluribus.dtensor import plan as plan_module
+
+    default = plan_module.SPLIT_ALL_REDUCE_BYTES
+    out = []
+    for kib in (16, 64, 128, 256, 512, 1024, 4096, 16384):
+        whole = np.zeros((kib, 256), np.float32)
+        buffer = whole.copy()
+        fns = {"by hand": lambda buffer=buffer: pb.all_reduce(buffer)}
+        for way, split_at in (("copy", 1 << 62), ("split", 0)):
+            plan_module.SPLIT_ALL_REDUCE_BYTES = split_at
+            # a mesh of its own: plans are cached per mesh
+            mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+            x = distribute_tensor(whole, mesh, [Partial()])
+            assert x.redistribute_plan([Replicate()]).steps[0].how == way
+            fns[way] = lambda x=x: x.redistribute(placements=[Replicate()])
+        plan_module.SPLIT_ALL_REDUCE_BYTES = default
+        times = _rounds(fns, seconds)
+        ratios = {}
+        for way in ("copy", "split"):
+            ratios[way] = _rounds({way: fns[way], "by hand": fns["by hand"]}, seconds)["ratio"]
+        out.append((kib, times, ratios))
     return out
 
 
@@ -153,26 +208,39 @@ def main() -> None:
     from pluribus.testing import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["collectives", "overhead", "mlp"])
+    parser.add_argument("--only", choices=["collectives", "overhead", "mlp", "sweep"])
+    parser.add_argument("--ops", help="comma-separated subset of the collectives")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--seconds", type=float, default=3.0, help="per comparison")
     parser.add_argument("--embd", type=int, default=768)
     parser.add_argument("--tokens", type=int, default=256)
     args = parser.parse_args()
     run = {"collectives", "overhead", "mlp"} if args.only is None else {args.only}
+    ops = args.ops.split(",") if args.ops else None
     if "overhead" in run:
         for name, (med, best) in run_ranks(_overhead, 1, backend="gloo", env=ENV)[0].items():
             print(f"overhead  {name}: {med:.2f} us (fastest {best:.2f})")
     if "collectives" in run:
         for p in [int(s) for s in args.ranks.split(",")]:
             rows = run_ranks(_collectives, p, backend="gloo", env=ENV, timeout=600,
-                             args=(args.seconds,))[0]  # fmt: skip
-            for label, op, ours, hand in rows:
+                             args=(args.seconds, ops))[0]  # fmt: skip
+            for label, op, ours, hand, ratio in rows:
                 print(
                     f"gloo {p} ranks  {label:>6}  {op:<18}  redistribute {ours[0] * 1e6:9.1f} us"
                     f" (fastest {ours[1] * 1e6:9.1f})  by hand {hand[0] * 1e6:9.1f} us (fastest "
-                    f"{hand[1] * 1e6:9.1f})  ratio {ours[0] / hand[0]:.3f} "
-                    f"(fastest {ours[1] / hand[1]:.3f})"
+                    f"{hand[1] * 1e6:9.1f})  ratio of medians {ours[0] / hand[0]:.3f}, median "
+                    f"ratio {ratio:.3f} (fastest {ours[1] / hand[1]:.3f})"
+                )
+    if "sweep" in run:
+        for p in [int(s) for s in args.ranks.split(",")]:
+            rows = run_ranks(_split_sweep, p, backend="gloo", env=ENV, timeout=600,
+                             args=(args.seconds / 4,))[0]  # fmt: skip
+            for kib, t, ratios in rows:
+                print(
+                    f"gloo {p} ranks  Partial->Replicate {kib:>6} KiB  by hand "
+                    f"{t['by hand'][0] * 1e6:8.1f} us  copy + all_reduce {t['copy'][0] * 1e6:8.1f}"
+                    f" us  reduce_scatter + all_gather {t['split'][0] * 1e6:8.1f} us  median "
+                    f"ratio to by hand: copy {ratios['copy']:.3f}, split {ratios['split']:.3f}"
                 )
     if "mlp" in run:
         times = {}

@@ -17,6 +17,7 @@ from pluribus.dtensor import (
     init_device_mesh,
     redistribute_plan,
 )
+from pluribus.dtensor.plan import SPLIT_ALL_REDUCE_BYTES
 from pluribus.testing import RanksFailed, run_ranks
 
 
@@ -99,12 +100,35 @@ def _plan_body():
     np.testing.assert_array_equal(y.to_local(), np.zeros((8, 4), np.float32))
     ones = distribute_tensor(np.ones(4), mesh, [Partial(), Replicate()])
     piece = ones.to_local()
+    assert ones.redistribute_plan([Replicate(), Replicate()]).steps[0].how == "copy"
+    donated = ones.redistribute_plan([Replicate(), Replicate()], donate=True)
+    assert donated.steps[0].how == "in place" and "copy" not in str(donated)
     summed = ones.redistribute(placements=[Replicate(), Replicate()], donate=True)
     assert summed.to_local() is piece  # reduced in place: no copy
     np.testing.assert_array_equal(piece, np.ones(4))
     with pytest.raises(ValueError, match="donate=True"):
         ones.to_local()
     return True
+
+
+def _plan_alone(counting):
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = distribute_tensor(np.zeros((8, 4), np.float32), mesh, [Partial(), Shard(0)])
+    pb.barrier()
+    before = counting.groups_created
+    if pb.get_rank() == 0:  # one rank alone: reading a plan must not communicate
+        assert x.redistribute_plan([Shard(1), Replicate()]).collectives
+    pb.barrier()
+    assert counting.groups_created == before
+    pb.barrier()
+    y = x.redistribute(placements=[Shard(1), Replicate()])  # every rank: groups made here
+    np.testing.assert_array_equal(y.full_tensor(), np.zeros((8, 4), np.float32))
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_is_read_without_communicating(counting):
+    assert run_ranks(_plan_alone, 4, args=(counting,), timeout=40) == [True] * 4
 
 
 @pytest.mark.timeout(60)
@@ -183,6 +207,14 @@ def _uneven_on_a_real_backend():
     start = [0, 3, 3][pb.get_rank()]
     y = DTensor.from_local(reference[start : start + rows], mesh, [Shard(0)])
     np.testing.assert_array_equal(y.redistribute(placements=[Shard(1)]).full_tensor(), reference)
+    # large enough to reduce-scatter into the new array and all-gather there (no copy), uneven
+    n = SPLIT_ALL_REDUCE_BYTES // 4 + 1
+    term = np.arange(n, dtype=np.float32) * (pb.get_rank() + 1)
+    z = DTensor.from_local(term.copy(), mesh, [Partial()])
+    assert z.redistribute_plan([Replicate()]).collectives == ["reduce_scatter", "all_gather"]
+    total = z.redistribute(placements=[Replicate()])
+    np.testing.assert_array_equal(total.to_local(), np.arange(n, dtype=np.float32) * 6)
+    np.testing.assert_array_equal(z.to_local(), term)  # the source is left as it was
     return True
 
 

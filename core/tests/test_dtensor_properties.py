@@ -22,6 +22,7 @@ from pluribus.dtensor import (
     init_device_mesh,
     split_sizes,
 )
+from pluribus.dtensor import plan as plan_module
 from pluribus.testing import run_ranks
 
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (3, 2), (1, 4), (2, 4), (2, 2, 2), (1, 2, 3)]
@@ -60,7 +61,10 @@ def cases(draw):
     mesh = draw(st.sampled_from(MESHES))
     shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3)))
     chain = draw(st.lists(placements(len(mesh), len(shape)), min_size=2, max_size=4))
-    return mesh, shape, chain, draw(st.integers(0, 2**16))
+    donate = draw(st.lists(st.booleans(), min_size=len(chain), max_size=len(chain)))
+    # 0: every Partial->Replicate that may not write its source is a reduce-scatter + all-gather
+    split_at = draw(st.sampled_from([0, plan_module.SPLIT_ALL_REDUCE_BYTES]))
+    return mesh, shape, chain, donate, split_at, draw(st.integers(0, 2**16))
 
 
 def _noisy(dt: DTensor, seed: int) -> DTensor:
@@ -88,22 +92,26 @@ def _noisy(dt: DTensor, seed: int) -> DTensor:
     return DTensor(local, mesh, dt.layout)
 
 
-def _check_chain(mesh_shape, shape, chain, seed, counting):
+def _check_chain(mesh_shape, shape, chain, donate, seed, counting):
     rank = pb.get_rank()
     mesh = init_device_mesh("cpu", mesh_shape)
     reference = np.random.default_rng(seed).integers(-9, 9, shape).astype(np.float64)
     x = _noisy(distribute_tensor(reference, mesh, chain[0]), seed)
-    for target in chain[1:]:
-        plan = x.redistribute_plan(target)
+    for k, (target, give) in enumerate(zip(chain[1:], donate, strict=False)):
+        plan = x.redistribute_plan(target, donate=give)
+        before = x.to_local().copy()
         mark = counting.mark(rank)
-        x = x.redistribute(placements=target)
+        y = x.redistribute(placements=target, donate=give, async_op=k % 2 == 1).wait()
         issued = counting.since(rank, mark)
         expected = [
-            (s.collective, tuple(mesh.get_group(s.mesh_dim).ranks), s.bytes_in, s.bytes_out)
+            (name, tuple(mesh.get_group(s.mesh_dim).ranks), nin, nout)
             for s in plan.steps
-            if s.collective
+            for name, nin, nout in s.calls
         ]
         assert issued == expected, f"rank {rank}: plan\n{plan}\nissued {issued}"
+        if not give:  # the source stays valid and unchanged
+            np.testing.assert_array_equal(x.to_local(), before)
+        x = y
         assert x.placements == plan.dst.placements
         assert x.shape == shape
         if not any(isinstance(p, Partial) for p in x.placements):
@@ -125,12 +133,15 @@ def _check_chain(mesh_shape, shape, chain, seed, counting):
 )
 @given(cases())
 def test_redistribute_chains_match_numpy_and_issue_exactly_the_plan(counting, case):
-    mesh_shape, shape, chain, seed = case
+    mesh_shape, shape, chain, donate, split_at, seed = case
     world = math.prod(mesh_shape)
-    assert (
-        run_ranks(_check_chain, world, args=(mesh_shape, shape, chain, seed, counting))
-        == [True] * world
-    )
+    default, plan_module.SPLIT_ALL_REDUCE_BYTES = plan_module.SPLIT_ALL_REDUCE_BYTES, split_at
+    try:
+        args = (mesh_shape, shape, chain, donate, seed, counting)
+        got = run_ranks(_check_chain, world, args=args)
+    finally:
+        plan_module.SPLIT_ALL_REDUCE_BYTES = default
+    assert got == [True] * world
 
 
 def _check_ops(mesh_shape, shape, pa, pb_, seed):

@@ -91,7 +91,8 @@ class DeviceMesh:
         self._groups: dict[int, ProcessGroup] = {}
         self._orders: dict[int, list[int]] = {}
         self._info: dict[int, tuple[ProcessGroup, list[int], bool]] = {}
-        #: redistribute plans by (source layout, target layout); see pluribus.dtensor.plan
+        #: redistribute plans, each with the function that runs it, by (source layout, target
+        #: placements, array type, dtype, donate); see pluribus.dtensor.api
         self.plan_cache: dict[Any, Any] = {}
 
     # -- shape ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from ..nn.module import array_namespace
 from .layout import Layout, default_layout, normalize_placements
 from .placements import Partial, Placement, Replicate, Shard
 from .plan import DEFAULT_COST, CostModel, Plan, make_plan
-from .redistribute import execute
+from .redistribute import Run, compile_plan
 
 
 def _rank() -> int:
@@ -72,10 +72,9 @@ class DTensor:
     def wait(self) -> DTensor:
         """Finish an ``async_op=True`` redistribute (any use of the local array also does)."""
         if self._pending is not None:
-            work, finish = self._pending
-            if work is not None:
-                work.wait()
-            self._local = finish()
+            work, out, post = self._pending
+            work.wait()
+            self._local = out if post is None else post(out)
             self._pending = None
         return self
 
@@ -98,31 +97,48 @@ class DTensor:
     # -- redistribute -----------------------------------------------------------------------
 
     def redistribute_plan(
-        self, placements: Sequence[Placement], cost: CostModel | None = None
+        self,
+        placements: Sequence[Placement],
+        cost: CostModel | None = None,
+        *,
+        donate: bool = False,
     ) -> Plan:
-        """What :meth:`redistribute` to ``placements`` will do: steps, bytes, predicted time."""
-        plan = self._plan(tuple(placements))
+        """What :meth:`redistribute` to ``placements`` (with the same ``donate``) will do: steps,
+        the collectives each calls with their bytes, predicted time."""
+        plan = self._compiled(tuple(placements), donate)[0]
         if cost is not None and cost != DEFAULT_COST:
             plan = make_plan(
                 plan.src, plan.dst, self._mesh.shape, self._mesh.coordinate,
-                np.dtype(self.dtype).itemsize, cost,
+                np.dtype(self.dtype).itemsize, cost, donate,
             )  # fmt: skip
         return plan
 
-    def _plan(self, placements: tuple[Placement, ...]) -> Plan:
+    def _compiled(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run]:
+        """The plan to ``placements`` and the function that runs it, cached on the mesh. The
+        function is compiled on its first call: compiling looks up the mesh's groups, which may
+        create them (collectively), and a plan alone must not communicate."""
         mesh = self._mesh
         local = self._local if self._local is not None else self.to_local()
-        key = (self._layout, placements, local.dtype)
+        key = (self._layout, placements, type(local), local.dtype, donate)
         try:
             return mesh.plan_cache[key]
         except KeyError:
             pass
         targets = normalize_placements(placements, self.ndim, mesh.shape, _rank())
         dst = default_layout(self.shape, targets, mesh.shape)
-        plan = mesh.plan_cache[key] = make_plan(
-            self._layout, dst, mesh.shape, mesh.coordinate, np.dtype(self.dtype).itemsize
+        itemsize = np.dtype(local.dtype).itemsize
+        plan = make_plan(
+            self._layout, dst, mesh.shape, mesh.coordinate, itemsize, DEFAULT_COST, donate
         )
-        return plan
+        xp = np if type(local) is np.ndarray else array_namespace(local)
+
+        def compile_and_run(local, async_op):
+            run = compile_plan(mesh, plan, xp)
+            mesh.plan_cache[key] = (plan, run)
+            return run(local, async_op)
+
+        found = mesh.plan_cache[key] = (plan, compile_and_run)
+        return found
 
     def redistribute(
         self,
@@ -146,13 +162,15 @@ class DTensor:
             raise ValueError(f"rank {_rank()}: redistribute needs placements=")
         if self._pending is not None:
             self.wait()
-        plan = self._plan(placements if type(placements) is tuple else tuple(placements))
-        work, finish = execute(self._mesh, plan, self.to_local(), async_op, donate)
+        plan, run = self._compiled(
+            placements if type(placements) is tuple else tuple(placements), donate
+        )
+        work, out, post = run(self.to_local(), async_op)
         if donate and plan.steps:
             self._local = None
         if work is None:
-            return DTensor(finish(), self._mesh, plan.dst)
-        return DTensor(None, self._mesh, plan.dst, _pending=(work, finish))
+            return DTensor(out if post is None else post(out), self._mesh, plan.dst)
+        return DTensor(None, self._mesh, plan.dst, (work, out, post))
 
     # -- operators (pluribus.dtensor.ops) ---------------------------------------------------
 
@@ -323,7 +341,11 @@ DTensor.from_local = staticmethod(from_local)  # torch's spelling: DTensor.from_
 
 
 def redistribute_plan(
-    src: DTensor, placements: Sequence[Placement], cost: CostModel | None = None
+    src: DTensor,
+    placements: Sequence[Placement],
+    cost: CostModel | None = None,
+    *,
+    donate: bool = False,
 ) -> Plan:
-    """The plan ``src.redistribute(placements=...)`` will run (see :class:`Plan`)."""
-    return src.redistribute_plan(placements, cost)
+    """The plan ``src.redistribute(placements=..., donate=...)`` will run (see :class:`Plan`)."""
+    return src.redistribute_plan(placements, cost, donate=donate)

@@ -2,11 +2,12 @@
 time, with their byte counts and an alpha-beta estimate of their time.
 
 Each mesh dimension changes with its cheapest step: Shard->Replicate all-gather,
-Partial->Replicate all-reduce, Partial->Shard reduce-scatter, Shard(i)->Shard(j) (or the same
-dimension with other sizes) all-to-all, Replicate->Shard and Replicate->Partial local. Steps that
-shrink the data go first and all-gathers last, so later steps move less; where two mesh
-dimensions trade tensor dimensions (Shard(0), Shard(1) -> Shard(1), Shard(0)) one of them is
-gathered first, because a tensor dimension is sharded by one mesh dimension at a time.
+Partial->Replicate all-reduce (:data:`SPLIT_ALL_REDUCE_BYTES` says which form), Partial->Shard
+reduce-scatter, Shard(i)->Shard(j) (or the same dimension with other sizes) all-to-all,
+Replicate->Shard and Replicate->Partial local. Steps that shrink the data go first and
+all-gathers last, so later steps move less; where two mesh dimensions trade tensor dimensions
+(Shard(0), Shard(1) -> Shard(1), Shard(0)) one of them is gathered first, because a tensor
+dimension is sharded by one mesh dimension at a time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .layout import Layout
+from .layout import Layout, split_sizes
 from .placements import Partial, Placement, Replicate, Shard
 
 #: step kinds in the order the planner prefers them (cheapest and most shrinking first)
@@ -27,14 +28,25 @@ _ORDER = {
     "all_gather": 5,
 }
 
+#: How a Partial->Replicate step reduces when the source's piece may not be written (redistribute
+#: leaves its input valid): below this many bytes it copies the piece and all-reduces the copy in
+#: place (one collective); from it on, a reduce-scatter reads the piece straight into this rank's
+#: slice of the new array and an all-gather in place fills the rest (the bytes a ring or gloo's
+#: shared-memory all-reduce moves, without the copy, for a second collective's fixed cost).
+#: Measured on gloo, 2 and 4 ranks (BENCHMARKS.md). Where the piece may be written (``donate``,
+#: or an array an earlier step made) the step is the in-place all-reduce.
+SPLIT_ALL_REDUCE_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class CostModel:
-    """``alpha`` seconds per message, ``beta`` seconds per byte (ring algorithms). The defaults
-    are gloo's over loopback TCP on the machines of BENCHMARKS.md, to within a factor of two."""
+    """``alpha`` seconds per message, ``beta`` seconds per byte (ring algorithms), ``copy`` seconds
+    per byte copied locally. The defaults are gloo's over loopback TCP on the machines of
+    BENCHMARKS.md, to within a factor of two."""
 
     alpha: float = 30e-6
     beta: float = 1 / 1.5e9
+    copy: float = 1 / 4e9
 
 
 DEFAULT_COST = CostModel()
@@ -57,14 +69,23 @@ class Step:
     dst_sizes: tuple[int, ...] | None = None
     #: every piece of the sharded side the same size (the collectives' single-array form)
     even: bool = False
+    #: the public collectives this step calls, in order, each ``(name, bytes in, bytes out)``
+    calls: tuple[tuple[str, int, int], ...] = ()
+    #: an all-reduce's way (``"in place"``, ``"copy"``, ``"split"``, see
+    #: :data:`SPLIT_ALL_REDUCE_BYTES`); None for the other kinds
+    how: str | None = None
 
     @property
     def collective(self) -> str | None:
-        """The public collective this step calls, or None for a local step."""
+        """The operation this step performs (a collective's name), or None for a local step."""
         return None if self.kind.endswith("_local") else self.kind
 
     def __str__(self) -> str:
         what = self.collective or "local"
+        if self.how == "copy":
+            what = "copy + all_reduce"
+        elif self.how == "split":
+            what = "all_reduce as reduce_scatter + all_gather"
         return (
             f"mesh dim {self.mesh_dim}: {self.src!r} -> {self.dst!r}: {what} over "
             f"{self.group_size} ranks, {self.bytes_in:,} B in, {self.bytes_out:,} B out, "
@@ -89,7 +110,8 @@ class Plan:
 
     @property
     def collectives(self) -> list[str]:
-        return [s.collective for s in self.steps if s.collective]
+        """The public collectives it calls, in order."""
+        return [name for s in self.steps for name, _, _ in s.calls]
 
     def __str__(self) -> str:
         lines = [f"redistribute {self.src} -> {self.dst}: ~{self.cost * 1e6:.1f} us"]
@@ -124,6 +146,20 @@ def _ring_seconds(kind: str, p: int, nbytes: int, cost: CostModel) -> float:
     return (p - 1) * cost.alpha + share * cost.beta
 
 
+def _all_reduce_way(
+    p: int, me: int, nbytes: int, itemsize: int, writable: bool, cost: CostModel
+) -> tuple[str, tuple[tuple[str, int, int], ...], float]:
+    """How a Partial->Replicate step reduces ``nbytes``: (way, calls, predicted seconds)."""
+    ring = _ring_seconds("all_reduce", p, nbytes, cost)
+    if writable:
+        return "in place", (("all_reduce", nbytes, nbytes),), ring
+    if nbytes < SPLIT_ALL_REDUCE_BYTES:
+        return "copy", (("all_reduce", nbytes, nbytes),), nbytes * cost.copy + ring
+    mine = split_sizes(nbytes // itemsize, p)[me] * itemsize
+    calls = (("reduce_scatter", nbytes, mine), ("all_gather", mine, nbytes))
+    return "split", calls, ring  # a ring all-reduce is a reduce-scatter and an all-gather
+
+
 def make_plan(
     src: Layout,
     dst: Layout,
@@ -131,9 +167,12 @@ def make_plan(
     coordinate: tuple[int, ...],
     itemsize: int,
     cost: CostModel = DEFAULT_COST,
+    donate: bool = False,
 ) -> Plan:
-    """The cheapest sequence of steps from ``src`` to ``dst`` (both checked already)."""
+    """The cheapest sequence of steps from ``src`` to ``dst`` (both checked already).
+    ``donate``: the source's piece may be written over."""
     state = src
+    writable = donate  # after a collective the piece is a new array, ours to write
     pending = [
         m
         for m in range(len(mesh_shape))
@@ -148,7 +187,7 @@ def make_plan(
         )
 
     def add(m: int, target: Placement, target_sizes) -> None:
-        nonlocal state
+        nonlocal state, writable
         p_from = state.placements[m]
         kind = _kind(p_from, target)
         after = state.with_placement(m, target, target_sizes)
@@ -161,6 +200,14 @@ def make_plan(
             whole = max(before_bytes, after_bytes)
         else:
             whole = before_bytes
+        how = None
+        if kind == "all_reduce":
+            how, calls, seconds = _all_reduce_way(
+                p, coordinate[m], before_bytes, itemsize, writable, cost
+            )
+        else:
+            seconds = _ring_seconds(kind, p, whole, cost)
+            calls = () if kind.endswith("_local") else ((kind, before_bytes, after_bytes),)
         steps.append(
             Step(
                 kind,
@@ -170,14 +217,17 @@ def make_plan(
                 p,
                 before_bytes,
                 after_bytes,
-                _ring_seconds(kind, p, whole, cost),
+                seconds,
                 state.sizes[m],
                 target_sizes,
                 len(set(state.sizes[m] or target_sizes or (0,))) == 1,
+                calls,
+                how,
             )
         )
         layouts.append(state)
         state = after
+        writable = writable or bool(calls)
 
     while pending:
         ready = []

@@ -1,28 +1,29 @@
 """Run a redistribute plan: each step's collective on its mesh dimension's group, through the
 public collectives only. Uneven pieces travel as lists of arrays (the uneven all-gather,
-reduce-scatter and all-to-all); equal ones as single arrays, the collectives' fast path."""
+reduce-scatter and all-to-all); equal ones as single arrays, the collectives' fast path.
+
+A plan is compiled once per (layout pair, array type, dtype) into one function per step, with
+the group, the reduction and the single-array-or-list choice already made, so that a repeated
+redistribute costs a cache lookup and the collective. A step function takes ``(local,
+async_op)`` and returns ``(work, out, post)``: once ``work`` (None for synchronous or local
+steps) is done, the new local array is ``out``, or ``post(out)`` where a layout change is left.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from .. import distributed as dist
-from ..nn.module import array_namespace
+from .layout import split_sizes
 from .plan import Plan, Step
 
-Finish = Callable[[], Any]
+Run = Callable[[Any, bool], tuple[Any, Any, Any]]
 
 
 def _front(xp: Any, array: Any, dim: int) -> Any:
     """``array`` with ``dim`` moved first, contiguous (a view when it already is)."""
     return xp.ascontiguousarray(xp.moveaxis(array, dim, 0) if dim else array)
-
-
-def _back(xp: Any, array: Any, dim: int) -> Any:
-    return xp.ascontiguousarray(xp.moveaxis(array, 0, dim)) if dim else array
 
 
 def _offsets(sizes) -> list[int]:
@@ -33,96 +34,175 @@ def _offsets(sizes) -> list[int]:
     return out
 
 
-def run_step(mesh: Any, step: Step, local: Any, owned: bool, async_op: bool):
-    """Issue ``step`` on ``local``; return ``(work, finish)``: ``finish()`` gives the new local
-    array once ``work`` (None for synchronous or local steps) is done."""
-    xp = np if type(local) is np.ndarray else array_namespace(local)
+def _ordered(perm: list[int], items: list) -> list:
+    """``items`` (one per index along the mesh dimension) in the order of the group's ranks."""
+    out = [None] * len(items)
+    for k, item in enumerate(items):
+        out[perm[k]] = item
+    return out
+
+
+def compile_plan(mesh: Any, plan: Plan, xp: Any) -> Run:
+    """One function that runs every step of ``plan`` on arrays of namespace ``xp`` (only the
+    last collective runs in the background: each step needs the one before)."""
+    runs = [_compile_step(mesh, step, xp) for step in plan.steps]
+    if not runs:
+        return lambda local, async_op: (None, local, None)
+    if len(runs) == 1:
+        return runs[0]
+    *first, last = runs
+
+    def run_all(local, async_op):
+        for run in first:
+            _, out, post = run(local, False)
+            local = out if post is None else post(out)
+        return last(local, async_op)
+
+    return run_all
+
+
+def _compile_step(mesh: Any, step: Step, xp: Any) -> Run:
     m, kind = step.mesh_dim, step.kind
     me = mesh.coordinate[m]
     if kind == "shard_local":
         d = step.dst.dim
         start = sum(step.dst_sizes[:me])
         index = (slice(None),) * d + (slice(start, start + step.dst_sizes[me]),)
-        piece = xp.ascontiguousarray(local[index])
-        return None, lambda: piece
+        return lambda local, async_op: (None, xp.ascontiguousarray(local[index]), None)
     if kind == "partial_local":
         if step.dst.op == "sum" and me != 0:
-            zeros = xp.zeros_like(local)
-            return None, lambda: zeros
-        return None, lambda: local
+            return lambda local, async_op: (None, xp.zeros_like(local), None)
+        return lambda local, async_op: (None, local, None)
     # perm: index along mesh dimension m -> rank in the group
     group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
-        array = local if owned else local.copy()
-        work = dist.all_reduce(array, op=step.src.reduce_op, group=group, async_op=async_op)
-        return work, lambda: array
+        return _compile_all_reduce(step, xp, group, perm, identity, me)
     if kind == "all_gather":
-        d, sizes = step.src.dim, step.src_sizes
-        piece = local if not d and local.flags.c_contiguous else _front(xp, local, d)
-        out = xp.empty((sum(sizes),) + piece.shape[1:], dtype=local.dtype)
-        if identity and step.even:
-            work = dist.all_gather(out, piece, group=group, async_op=async_op)
-        else:
-            views = [out[o : o + n] for o, n in zip(_offsets(sizes), sizes, strict=True)]
-            outputs = [None] * len(views)
-            for k, view in enumerate(views):
-                outputs[perm[k]] = view
-            work = dist.all_gather(outputs, piece, group=group, async_op=async_op)
-        return work, lambda: _back(xp, out, d)
+        return _compile_all_gather(step, xp, group, perm, identity)
     if kind == "reduce_scatter":
-        d, sizes = step.dst.dim, step.dst_sizes
-        whole = local if not d and local.flags.c_contiguous else _front(xp, local, d)
-        out = xp.empty((sizes[me],) + whole.shape[1:], dtype=local.dtype)
-        op = step.src.reduce_op
-        if identity and step.even:
-            work = dist.reduce_scatter(out, whole, op=op, group=group, async_op=async_op)
-        else:
-            inputs = [None] * len(sizes)
-            for k, (o, n) in enumerate(zip(_offsets(sizes), sizes, strict=True)):
-                inputs[perm[k]] = whole[o : o + n]
-            work = dist.reduce_scatter(out, inputs, op=op, group=group, async_op=async_op)
-        return work, lambda: _back(xp, out, d)
+        return _compile_reduce_scatter(step, xp, group, perm, identity, me)
     if kind == "all_to_all":
-        return _all_to_all(xp, group, perm, me, step, local, async_op)
+        return _compile_all_to_all(step, xp, group, perm, me)
     raise AssertionError(f"unknown step {kind}")
 
 
-def _all_to_all(xp, group, perm, me, step: Step, local, async_op):
+def _back(d: int, xp: Any):
+    """The ``post`` that moves dimension 0 back to ``d`` (None when nothing moves)."""
+    if not d:
+        return None
+    return lambda out: xp.ascontiguousarray(xp.moveaxis(out, 0, d))
+
+
+def _compile_all_reduce(step: Step, xp, group, perm, identity, me) -> Run:
+    op, all_reduce = step.src.reduce_op, dist.all_reduce
+    if step.how == "in place":
+        return lambda local, async_op: (all_reduce(local, op, group, async_op), local, None)
+    if step.how == "copy":
+
+        def copy_and_reduce(local, async_op):
+            array = local.copy()
+            return all_reduce(array, op, group, async_op), array, None
+
+        return copy_and_reduce
+    return _compile_split_all_reduce(step, xp, group, perm, identity, me)
+
+
+def _compile_split_all_reduce(step: Step, xp, group, perm, identity, me) -> Run:
+    """All-reduce without writing ``local``: a reduce-scatter of its flat chunks into this rank's
+    chunk of a new array, then an all-gather of that chunk in place."""
+    op, reduce_scatter, all_gather = step.src.reduce_op, dist.reduce_scatter, dist.all_gather
+
+    def split(local, async_op):
+        source = local.reshape(-1)
+        sizes = split_sizes(source.size, step.group_size)
+        offsets = _offsets(sizes)
+        out = xp.empty(local.shape, dtype=local.dtype)
+        flat = out.reshape(-1)
+        mine = flat[offsets[me] : offsets[me] + sizes[me]]
+        if identity and len(set(sizes)) == 1:
+            reduce_scatter(mine, source, op, group)
+            return all_gather(flat, mine, group, async_op), out, None
+        spans = [slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)]
+        reduce_scatter(mine, _ordered(perm, [source[s] for s in spans]), op, group)
+        work = all_gather(_ordered(perm, [flat[s] for s in spans]), mine, group, async_op)
+        return work, out, None
+
+    return split
+
+
+def _compile_all_gather(step: Step, xp, group, perm, identity) -> Run:
+    d, sizes, all_gather = step.src.dim, step.src_sizes, dist.all_gather
+    rows, post = sum(sizes), _back(d, xp)
+    spans = [slice(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
+    single = identity and step.even
+
+    def gather(local, async_op):
+        piece = local if not d and local.flags.c_contiguous else _front(xp, local, d)
+        out = xp.empty((rows,) + piece.shape[1:], dtype=local.dtype)
+        outputs = out if single else _ordered(perm, [out[s] for s in spans])
+        return all_gather(outputs, piece, group, async_op), out, post
+
+    return gather
+
+
+def _compile_reduce_scatter(step: Step, xp, group, perm, identity, me) -> Run:
+    d, sizes, op = step.dst.dim, step.dst_sizes, step.src.reduce_op
+    reduce_scatter, post = dist.reduce_scatter, _back(d, xp)
+    spans = [slice(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
+    single = identity and step.even
+
+    def scatter(local, async_op):
+        whole = local if not d and local.flags.c_contiguous else _front(xp, local, d)
+        out = xp.empty((sizes[me],) + whole.shape[1:], dtype=local.dtype)
+        inputs = whole if single else _ordered(perm, [whole[s] for s in spans])
+        return reduce_scatter(out, inputs, op, group, async_op), out, post
+
+    return scatter
+
+
+def _compile_all_to_all(step: Step, xp, group, perm, me) -> Run:
+    """Every rank's part of the new sharding arrives straight in its place: the new piece is
+    built with the gathered dimension ``i`` first, where each sender's part is one contiguous
+    block (so for ``i == 0`` the piece needs no copy after the collective), and this rank's own
+    part is copied there instead of being sent to itself."""
     i, j = step.src.dim, step.dst.dim
     src_sizes, dst_sizes = step.src_sizes, step.dst_sizes
     src_off, dst_off = _offsets(src_sizes), _offsets(dst_sizes)
     p = len(src_sizes)
-    inputs, outputs, received = [None] * p, [None] * p, []
-    for k in range(p):
-        if i == j:  # the same dimension, other sizes: send the overlap of ranges
-            lo = max(src_off[me], dst_off[k])
-            hi = min(src_off[me] + src_sizes[me], dst_off[k] + dst_sizes[k])
-            send = local[(slice(None),) * i + (slice(lo - src_off[me], max(lo, hi) - src_off[me]),)]
-            lo = max(src_off[k], dst_off[me])
-            hi = min(src_off[k] + src_sizes[k], dst_off[me] + dst_sizes[me])
-            shape = list(local.shape)
-            shape[i] = max(0, hi - lo)
-        else:
-            send = local[(slice(None),) * j + (slice(dst_off[k], dst_off[k] + dst_sizes[k]),)]
-            shape = list(local.shape)
-            shape[i], shape[j] = src_sizes[k], dst_sizes[me]
-        recv = xp.empty(tuple(shape), dtype=local.dtype)
-        inputs[perm[k]] = xp.ascontiguousarray(send)
-        outputs[perm[k]] = recv
-        received.append(recv)
-    work = dist.all_to_all(outputs, inputs, group=group, async_op=async_op)
-    return work, lambda: xp.concatenate(received, axis=i)
+    if i == j:  # the same dimension, other sizes: send the overlaps of the ranges
+        lo = [max(src_off[me], dst_off[k]) for k in range(p)]
+        hi = [min(src_off[me] + src_sizes[me], dst_off[k] + dst_sizes[k]) for k in range(p)]
+        sends = [slice(lo[k] - src_off[me], max(lo[k], hi[k]) - src_off[me]) for k in range(p)]
+        got = [
+            max(0, min(src_off[k] + src_sizes[k], dst_off[me] + dst_sizes[me])
+                - max(src_off[k], dst_off[me]))
+            for k in range(p)
+        ]  # fmt: skip
+        along = i
+    else:
+        sends = [slice(dst_off[k], dst_off[k] + dst_sizes[k]) for k in range(p)]
+        got, along = list(src_sizes), j
+    sends = [(slice(None),) * along + (s,) for s in sends]
+    blocks = [slice(o, o + n) for o, n in zip(_offsets(got), got, strict=True)]
+    all_to_all, post = dist.all_to_all, _back(i, xp)
 
+    def exchange(local, async_op):
+        shape = list(local.shape)
+        if i != j:
+            shape[j] = dst_sizes[me]
+        del shape[i]
+        front = xp.empty((sum(got), *shape), dtype=local.dtype)  # dimension i first
+        inputs, outputs = [None] * p, [None] * p
+        for k in range(p):
+            block, part = front[blocks[k]], local[sends[k]]
+            if i:
+                part = xp.moveaxis(part, i, 0)
+            if k == me:
+                block[...] = part
+                part = block
+            else:
+                part = xp.ascontiguousarray(part)
+            inputs[perm[k]], outputs[perm[k]] = part, block
+        return all_to_all(outputs, inputs, group, async_op), front, post
 
-def execute(mesh: Any, plan: Plan, local: Any, async_op: bool = False, owned: bool = False):
-    """Run every step of ``plan``; return ``(work, finish)`` as :func:`run_step` does (only the
-    last collective runs in the background: each step needs the one before). ``owned``: the
-    steps may write into ``local``."""
-    steps = plan.steps
-    for n, step in enumerate(steps):
-        last = n == len(steps) - 1
-        work, finish = run_step(mesh, step, local, owned, async_op and last)
-        if last:
-            return work, finish
-        local, owned = finish(), owned or step.collective is not None  # a fresh array
-    return None, lambda: local
+    return exchange
