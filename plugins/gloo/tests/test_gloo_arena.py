@@ -195,6 +195,26 @@ def test_arena_one_element_all_reduce(size, dtype, ufunc):
             assert out[c].tobytes() == results[0][c].tobytes()
 
 
+def test_arena_keeps_each_ranks_last_word_for_its_peers():
+    """A rank that gives up leaves the rank it blamed in its control line; the peers read it by
+    engine rank (a sub-group's ranks are not the engine's), and nothing after a close."""
+    segment = mmap.mmap(-1, arena_mod._control_bytes(3) + 6 * 4096)
+    engine_ranks = [1, 4, 6]
+    a, b, c = (
+        arena_mod.Arena(segment, 3, r, 4096, _FakeEngine(7), engine_ranks, 10.0) for r in range(3)
+    )
+    assert a.blamed_by(4) is None and a.blamed_by(6) is None
+    b.record_failure(6)
+    c.record_failure(-1)  # gave up, blaming no rank (an abort, a mismatch)
+    assert a.blamed_by(4) == 6 and c.blamed_by(4) == 6
+    assert a.blamed_by(6) is None and a.blamed_by(1) is None
+    assert a.blamed_by(5) is None  # not a member
+    a.close()
+    assert a.blamed_by(4) is None
+    a.record_failure(4)  # after the close: ignored, no error
+    assert c.blamed_by(1) is None
+
+
 def test_arena_mismatch_is_found_even_without_waiting():
     """Both ranks publish before either looks: each still compares the other's announcement."""
     a, b = _thread_arenas(2, 4096)

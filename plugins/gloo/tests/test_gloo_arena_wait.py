@@ -231,6 +231,53 @@ def test_a_peer_killed_while_the_others_sleep_is_named_within_seconds(tmp_path):
         assert report["took"] < 10, (rank, report)
 
 
+def _blamer_exits_before_the_late_rank_looks(folder: str) -> None:
+    """Rank 2 dies; rank 0 finds it, gives up and exits at once (without destroy_process_group);
+    rank 1 joins the call only when both are gone, and its store does not answer, as when rank 0
+    served it (here the test's process serves it)."""
+    rank = pb.get_rank()
+    pb.all_reduce(np.ones(10))
+    if rank == 2:
+        os._exit(1)
+    if rank == 1:  # wait until both connections are closed
+        engine = pb.get_default_group().backends["cpu"].engine
+        engine.store_down = True
+        deadline = time.monotonic() + 30
+        while not (engine.links[0].eof and engine.links[2].eof) and time.monotonic() < deadline:
+            engine._check_control()
+            time.sleep(0.02)
+    try:
+        pb.all_reduce(np.ones(10))
+        report = {"peer": None}
+    except PeerError as exc:
+        report = {"peer": exc.peer, "message": str(exc)}
+    with open(os.path.join(folder, f"{rank}.json"), "w") as f:
+        json.dump(report, f)
+    if rank == 0:
+        os._exit(1)
+
+
+@pytest.mark.timeout(90)
+def test_a_late_survivor_names_the_dead_rank_after_the_store_server_left(tmp_path):
+    """Rank 1 finds the connections of ranks 0 and 2 both closed and no store to ask: rank 0's
+    last word on the arena says it blamed rank 2, so rank 1 names rank 2 too (not rank 0, whose
+    connection it checks first)."""
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(
+            _blamer_exits_before_the_late_rank_looks,
+            3,
+            "gloo",
+            "processes",
+            timeout=60,
+            args=(str(tmp_path),),
+        )
+    assert sorted(e.rank for e in info.value.errors) == [0, 2], info.value
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert report["peer"] == 2, (rank, report)
+    assert "rank 0 gave up on the group because rank 2" in report["message"], report
+
+
 def _interrupted_while_sleeping(how: str) -> str:
     """Rank 0 sleeps in an all-reduce the others never join; 0.3 s in, ``how`` ends it."""
     group = pb.get_default_group()

@@ -13,7 +13,10 @@ control words, each on its own cache line:
 - ``sleeping``: set while the rank sleeps in the engine's ``poll``; a publisher that sees it
   rings the rank's socket. In the same line, ``sleeps_on``: the peer on whose ``stage`` word
   this rank sleeps (a futex, see :mod:`pluribus_gloo.futex`); that peer wakes the word after it
-  publishes.
+  publishes. Also in that line, ``gave_up``: written when this rank's engine fails, before it
+  closes its sockets: 2 + the rank it blames (1: none). A peer that then sees this rank's
+  connection close (and cannot ask the store, when this rank served it) names the rank that
+  failed first instead of this one.
 
 A waiting rank first polls the counters (100 µs, yielding the CPU every other poll; when the host
 runs more ranks than cores it yields on every poll, so that a peer queued on the same CPU runs),
@@ -55,7 +58,7 @@ DEFAULT_HALF_BYTES = 1 << 20
 LINE = 64
 # the control words of one rank, as indices into the control block seen as uint64
 WORDS_PER_RANK = 5 * LINE // 8
-STAGE, ANN_SEQ, ANN_CODE, ANN_COUNT, SLEEPING, SLEEPS_ON = 0, 8, 16, 24, 32, 33
+STAGE, ANN_SEQ, ANN_CODE, ANN_COUNT, SLEEPING, SLEEPS_ON, GAVE_UP = 0, 8, 16, 24, 32, 33, 34
 #: How long a waiter polls the flags itself before it sleeps on them, yielding the CPU every
 #: other poll; when the host has more ranks than cores, ``YIELD_SECONDS`` instead, yielding on
 #: every poll.
@@ -308,6 +311,20 @@ class Arena:
 
     def set_sleeping(self, flag: int) -> None:
         self.control[self.mine + SLEEPING] = flag
+
+    def record_failure(self, blamed: int) -> None:
+        """Leave this rank's last word for the peers: it gave up blaming engine rank ``blamed``
+        (-1: no rank)."""
+        if self.control is not None:
+            self.control[self.mine + GAVE_UP] = blamed + 2
+
+    def blamed_by(self, peer: int) -> int | None:
+        """The engine rank that member ``peer`` (an engine rank) blamed when it gave up, if it
+        did and named one."""
+        if self.control is None or peer not in self.world_ranks:
+            return None
+        value = self.control[self.world_ranks.index(peer) * WORDS_PER_RANK + GAVE_UP]
+        return value - 2 if value >= 2 else None
 
     def close(self) -> None:
         self.control.release()

@@ -687,7 +687,7 @@ class Engine:
         key = f"abort/{peer}"
         found = self.ask_store(lambda store: store.get(key, 0.1) if store.check([key]) else None)
         if not found:
-            return None
+            return self._blamed_in_arena(peer)
         code, origin, reporter, text = found.decode(errors="replace").split("|", 3)
         message = (
             f"rank {self.rank}: the group was aborted after an error on rank {reporter}: {text}"
@@ -702,6 +702,21 @@ class Engine:
             error = PeerError(message, origin_rank if origin_rank >= 0 else peer)
         error.gloo_report = (code, origin, reporter, text)  # passed on as is, not re-wrapped
         return error
+
+    def _blamed_in_arena(self, peer: int) -> BaseException | None:
+        """When the store has no word from ``peer`` (it may have served the store and exited):
+        the rank ``peer`` blamed in its last word on a shared arena, if it left one."""
+        for arena in self.arenas:
+            blamed = arena.blamed_by(peer)
+            if blamed is not None and blamed != self.rank:
+                return PeerError(
+                    f"rank {self.rank}: rank {peer} gave up on the group because rank {blamed} "
+                    f"died or failed, then closed its connection; rank {blamed} is the one to "
+                    "look at. Restart the job (pluribus-run restarts it when given "
+                    "--max-restarts)",
+                    blamed,
+                )
+        return None
 
     def _absent(self, position: tuple, timeout: float) -> str:
         """After a timeout: which ranks of the group never reached this collective."""
@@ -742,6 +757,8 @@ class Engine:
         report = getattr(error, "gloo_report", None)
         if report is None:
             report = (code, str(origin), str(self.rank), str(error))
+        for arena in self.arenas:  # read by peers that cannot reach the store (rank 0 serves it)
+            arena.record_failure(origin if code == "peer" else -1)
         key, value = f"abort/{self.rank}", "|".join(report)
         self.ask_store(lambda store: store.set(key, value))
         for link in self.link_list:
