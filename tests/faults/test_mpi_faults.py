@@ -1,6 +1,7 @@
-"""mpi: mismatched calls under DETAIL, and a rank that never arrives while MPI_Abort is off: the
-ranks that waited raise naming it and end the job (MPI_Finalize would wait for that rank). A
-killed rank is in test_dead_peers.py (named in the job's output, nothing left behind)."""
+"""mpi: mismatched calls under DETAIL, and a rank that never arrives: the ranks that waited name
+it (the watchdog before MPI_Abort, or, with MPI_Abort off, the DistTimeoutError they raise
+before ending the job, as MPI_Finalize would wait for that rank). A killed rank is in
+test_dead_peers.py (named in the job's output, nothing left behind)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,23 @@ except DistTimeoutError as exc:
     print(f"rank {rank} raised after {time.monotonic() - start:.1f}s: {exc}", flush=True)
     raise
 """
+
+
+@pytest.mark.timeout(90)
+def test_with_abort_the_watchdog_names_the_absent_rank_before_ending_the_job(tmp_path):
+    start = time.monotonic()
+    done = mpi_jobs.run_script(tmp_path, STRAGGLER, 4, {}, timeout=75)
+    took = time.monotonic() - start
+    out = done.stdout + done.stderr
+    reports = [line for line in out.splitlines() if "pluribus-mpi: DistTimeoutError" in line]
+    # the first rank whose watchdog expires aborts the job, so the others may not get to print
+    assert reports, out
+    for line in reports:
+        assert "all_reduce(shape=(1024,), dtype=float32)" in line and "#2 " in line, out
+        assert "rank(s) [3] did not reach it" in line, out
+    assert "calls MPI_Abort" in out, out
+    assert took < 30, f"the job took {took:.0f}s: the ranks waited for rank 3 to end ({out})"
+    assert done.returncode != 0, out
 
 
 @pytest.mark.timeout(90)
