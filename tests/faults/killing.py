@@ -129,11 +129,13 @@ def kill_a_rank(
     env: dict[str, str] | None = None,
     delay: float = 0.3,
     limit: float = 90.0,
+    hosts: int = 1,
 ) -> Outcome:
     """Start the job, SIGKILL ``victim`` ``delay`` seconds after every rank is in its loop,
-    wait for the rest; every process is killed and reaped before this returns."""
+    wait for the rest; every process is killed and reaped before this returns. ``hosts``
+    (mpi only) splits the ranks into that many "hosts" on this machine, each with its watcher."""
     if backend == "mpi":
-        return _kill_under_mpiexec(victim, world, env, delay, limit)
+        return _kill_under_mpiexec(victim, world, env, delay, limit, hosts)
     with tempfile.TemporaryDirectory(prefix="pluribus-faults-") as outdir:
         base = dict(os.environ)
         base.update(env or {})
@@ -186,9 +188,10 @@ def kill_a_rank(
 
 
 def _kill_under_mpiexec(
-    victim: int, world: int, env: dict[str, str] | None, delay: float, limit: float
+    victim: int, world: int, env: dict[str, str] | None, delay: float, limit: float, hosts: int
 ) -> Outcome:
-    """The same run as an mpiexec job: ``mpiexec -n world python kill_job.py mpi OUTDIR``."""
+    """The same run as an mpiexec job: ``mpiexec -n world python kill_job.py mpi OUTDIR``, or
+    on ``hosts`` "hosts" ``mpiexec -n 2 -env PLURIBUS_MPI_HOST host0 python ... : -n 2 ...``."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
         "mpiexec"
     )
@@ -198,8 +201,16 @@ def _kill_under_mpiexec(
         job_env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
         job_env.update(env or {}, PYTHONUNBUFFERED="1")
         with open(os.path.join(outdir, "output"), "w") as out:
+            command = [mpiexec]
+            for host in range(hosts):
+                if host:
+                    command.append(":")
+                command += ["-n", str(world // hosts)]
+                if hosts > 1:
+                    command += ["-env", "PLURIBUS_MPI_HOST", f"host{host}"]
+                command += [sys.executable, JOB, "mpi", outdir]
             proc = subprocess.Popen(
-                [mpiexec, "-n", str(world), sys.executable, JOB, "mpi", outdir],
+                command,
                 env=job_env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

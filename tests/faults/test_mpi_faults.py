@@ -101,3 +101,31 @@ def test_without_abort_the_ranks_that_waited_name_the_absent_rank_and_end(tmp_pa
     assert "exits without MPI_Finalize" in out, out
     assert took < 30, f"the job took {took:.0f}s: the ranks waited for rank 3 to end ({out})"
     assert done.returncode != 0, out
+
+
+HOST0_AWAY = """
+import os, sys, time
+
+os.environ["PLURIBUS_MPI_HOST"] = f"host{int(os.environ['PMI_RANK']) // 2}"  # two "hosts"
+import numpy as np
+import pluribus as pb
+
+pb.init_process_group("mpi", timeout=3)
+pb.barrier()
+if pb.get_rank() < 2:
+    time.sleep(60)  # host0's ranks never arrive
+    sys.exit(0)
+pb.all_reduce(np.ones(1024, np.float32))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_on_two_hosts_ranks_that_say_why_they_end_get_no_rank_blamed(tmp_path):
+    """Ranks 2 and 3 ("host1") time out, say why and exit; mpiexec then kills host0's ranks,
+    which host0's watcher must not report as dead: the hub hears that host1 spoke first."""
+    env = {"PLURIBUS_MPI_ABORT_ON_ERROR": "0"}
+    done = mpi_jobs.run_script(tmp_path, HOST0_AWAY, 4, env, timeout=75)
+    out = done.stdout + done.stderr
+    assert "rank(s) [0, 1] did not reach it" in out and "exits without MPI_Finalize" in out, out
+    assert "without finishing" not in out, out
+    assert done.returncode != 0, out
