@@ -17,7 +17,8 @@ dead rank's memory fails) and mpiexec killed the rest. So each rank's main threa
 robust mutex in memory it shares with the watcher (a memfd passed over the socket), whose
 threads wait on them: the kernel releases a dead thread's robust mutexes as the very first step
 of tearing its memory down, before another rank can notice, and the watcher blames the rank
-whose mutex came back first. It prints the rank,
+whose mutex came back first. So a rank goes on only once the watcher waits on its mutex (at
+start, mostly the watcher's own start-up). It prints the rank,
 pid, host and time on its standard error, which mpiexec shows before its own summary (mpiexec
 waits for that pipe to close), and exits when every rank of its host has gone.
 
@@ -55,6 +56,10 @@ HOST_ENV = "PLURIBUS_MPI_HOST"
 #: What a rank sends: first its mutex's memory, then before it ends normally, or after saying
 #: itself why (an uncaught exception, MPI_Abort).
 HELD = b"held;"
+#: The watcher's answer to ``HELD``: it waits on the rank's mutex now.
+WATCHING = b"w"
+#: How long a rank waits for that answer (the watcher's start, about 0.25 s on an idle host).
+WATCHING_SECONDS = 10.0
 GOODBYE = b"bye;"
 ANNOUNCED = b"end;"
 #: How often the watcher checks that ranks it has not heard from yet still exist.
@@ -199,6 +204,14 @@ def connect(name: bytes) -> bool:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(name)
         socket.send_fds(connection, [HELD], [fd])
+        # a rank that died before the watcher waited on its mutex could not be told from the
+        # ranks mpiexec kills next: go on once it does (the watcher starting is most of it)
+        connection.settimeout(WATCHING_SECONDS)
+        try:
+            connection.recv(len(WATCHING))
+        except TimeoutError:
+            pass  # a watcher this slow still names the dead, maybe not the first
+        connection.settimeout(None)
     except (OSError, AttributeError):
         return False
     finally:
@@ -514,6 +527,10 @@ def watch(listener: socket.socket, ranks: dict[int, int], outlet: Any = None) ->
                 data, fds = b"", []
             for passed in fds:
                 _await_release(rank, passed)
+                try:
+                    rank.conn.send(WATCHING)
+                except OSError:
+                    pass  # it is gone: the close comes next
             if data:
                 rank.said += data
                 if ANNOUNCED in rank.said and not died and not handled:
