@@ -354,10 +354,10 @@ class End:
         kinds = {"kind": str, "rank": int, "pid": int, "host": str, "at": float, "after": list}
         if not isinstance(got, dict) or set(got) != set(kinds):
             raise ValueError("not an end")
-        got["at"] = float(got["at"]) if isinstance(got["at"], int) else got["at"]
-        if not all(isinstance(got[k], t) for k, t in kinds.items()) or got["kind"] not in (
-            "died",
-            "said",
+        if isinstance(got["at"], int):
+            got["at"] = float(got["at"])
+        if got["kind"] not in ("died", "said") or not all(
+            isinstance(got[k], t) for k, t in kinds.items()
         ):
             raise ValueError("not an end")
         got["after"] = [r for r in got["after"] if isinstance(r, int)]
