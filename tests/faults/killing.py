@@ -99,16 +99,23 @@ def _shm_of(pids: list[int]) -> list[str]:
     return sorted(f"/dev/shm/{n}" for n in names if any(str(pid) in n for pid in pids))
 
 
-def deathwatch_processes() -> list[int]:
-    """The pids of the mpi plugin's watcher processes running now."""
+def deathwatch_processes(ranks: list[int]) -> list[int]:
+    """The pids of the mpi plugin's watcher processes running now for the ranks whose pids are
+    ``ranks`` (a watcher's command line lists its ranks as ``rank:pid``; other jobs' watchers,
+    another session's tests say, are not this job's leak)."""
     found = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"pluribus_mpi.deathwatch" in f.read():
-                    found.append(int(pid))
-        except (OSError, ValueError):
+                words = f.read().split(b"\0")
+        except OSError:
             continue
+        if b"pluribus_mpi.deathwatch" not in words:
+            continue
+        at = words.index(b"pluribus_mpi.deathwatch") + 2  # after the listener's descriptor
+        listed = words[at].split(b",") if at < len(words) else []
+        if {int(entry.split(b":")[1]) for entry in listed if b":" in entry} & set(ranks):
+            found.append(int(pid))
     return found
 
 
@@ -241,10 +248,10 @@ def _kill_under_mpiexec(
         for rank in range(world):
             segments.update(_read(outdir, f"segments{rank}").split())
         wait_until = time.monotonic() + 5  # the watcher exits once it has seen every rank go
-        while deathwatch_processes() and time.monotonic() < wait_until:
+        while deathwatch_processes(pids) and time.monotonic() < wait_until:
             time.sleep(0.05)
         outcome.leaked_shm = sorted(s for s in segments if os.path.exists(s))
-        outcome.leaked_processes = [p for p in pids if _alive(p)] + deathwatch_processes()
+        outcome.leaked_processes = [p for p in pids if _alive(p)] + deathwatch_processes(pids)
         if outcome.problems():
             outcome.stderr = outcome.output[-3000:]
         return outcome
