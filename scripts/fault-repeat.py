@@ -2,6 +2,9 @@
 
     python scripts/fault-repeat.py [--runs 20] [--backends gloo-shm,ucc,mpi] [--victims 0,2]
 
+(``mpi-2hosts``, not in the default list: the mpi run with two "hosts" of two ranks on this
+machine, each with its own watcher.)
+
 Each run starts a 4-rank env:// job (rank 0 serves the store), lets every rank loop all_reduce
 of 1 MiB float32, SIGKILLs one rank (the victims take turns) and checks every promise: each
 survivor raises a PeerError naming the dead rank within 5 s, a later collective fails as fast, no
@@ -27,30 +30,32 @@ sys.path.insert(
 
 from killing import kill_a_rank  # noqa: E402
 
+#: name: (backend, environment, "hosts" the ranks are split into on this machine)
 SETTINGS = {
-    "gloo-shm": ("gloo", {"PLURIBUS_GLOO_SHM": "1"}),
-    "gloo-tcp": ("gloo", {"PLURIBUS_GLOO_SHM": "0"}),
-    "ucc": ("ucc", {}),
-    "mpi": ("mpi", {}),
+    "gloo-shm": ("gloo", {"PLURIBUS_GLOO_SHM": "1"}, 1),
+    "gloo-tcp": ("gloo", {"PLURIBUS_GLOO_SHM": "0"}, 1),
+    "ucc": ("ucc", {}, 1),
+    "mpi": ("mpi", {}, 1),
+    "mpi-2hosts": ("mpi", {}, 2),
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--backends", default=",".join(SETTINGS))
+    parser.add_argument("--backends", default="gloo-shm,gloo-tcp,ucc,mpi")
     parser.add_argument("--victims", default="0,1,2,3")
     args = parser.parse_args()
     victims = [int(v) for v in args.victims.split(",")]
     summary = {}
     for name in args.backends.split(","):
-        backend, env = SETTINGS[name]
+        backend, env, hosts = SETTINGS[name]
         kinds: collections.Counter[str] = collections.Counter()
         good, slowest = 0, 0.0
         start = time.monotonic()
         for run in range(args.runs):
             victim = victims[run % len(victims)]
-            outcome = kill_a_rank(backend, victim, env=env)
+            outcome = kill_a_rank(backend, victim, env=env, hosts=hosts)
             problems = outcome.problems()
             for got in outcome.survivors.values():
                 if "raised_at" in got:

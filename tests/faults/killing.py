@@ -99,16 +99,23 @@ def _shm_of(pids: list[int]) -> list[str]:
     return sorted(f"/dev/shm/{n}" for n in names if any(str(pid) in n for pid in pids))
 
 
-def deathwatch_processes() -> list[int]:
-    """The pids of the mpi plugin's watcher processes running now."""
+def deathwatch_processes(ranks: list[int]) -> list[int]:
+    """The pids of the mpi plugin's watcher processes running now for the ranks whose pids are
+    ``ranks`` (a watcher's command line lists its ranks as ``rank:pid``; other jobs' watchers,
+    another session's tests say, are not this job's leak)."""
     found = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"pluribus_mpi.deathwatch" in f.read():
-                    found.append(int(pid))
-        except (OSError, ValueError):
+                words = f.read().split(b"\0")
+        except OSError:
             continue
+        if b"pluribus_mpi.deathwatch" not in words:
+            continue
+        at = words.index(b"pluribus_mpi.deathwatch") + 2  # after the listener's descriptor
+        listed = words[at].split(b",") if at < len(words) else []
+        if {int(entry.split(b":")[1]) for entry in listed if b":" in entry} & set(ranks):
+            found.append(int(pid))
     return found
 
 
@@ -129,11 +136,13 @@ def kill_a_rank(
     env: dict[str, str] | None = None,
     delay: float = 0.3,
     limit: float = 90.0,
+    hosts: int = 1,
 ) -> Outcome:
     """Start the job, SIGKILL ``victim`` ``delay`` seconds after every rank is in its loop,
-    wait for the rest; every process is killed and reaped before this returns."""
+    wait for the rest; every process is killed and reaped before this returns. ``hosts``
+    (mpi only) splits the ranks into that many "hosts" on this machine, each with its watcher."""
     if backend == "mpi":
-        return _kill_under_mpiexec(victim, world, env, delay, limit)
+        return _kill_under_mpiexec(victim, world, env, delay, limit, hosts)
     with tempfile.TemporaryDirectory(prefix="pluribus-faults-") as outdir:
         base = dict(os.environ)
         base.update(env or {})
@@ -186,9 +195,10 @@ def kill_a_rank(
 
 
 def _kill_under_mpiexec(
-    victim: int, world: int, env: dict[str, str] | None, delay: float, limit: float
+    victim: int, world: int, env: dict[str, str] | None, delay: float, limit: float, hosts: int
 ) -> Outcome:
-    """The same run as an mpiexec job: ``mpiexec -n world python kill_job.py mpi OUTDIR``."""
+    """The same run as an mpiexec job: ``mpiexec -n world python kill_job.py mpi OUTDIR``, or
+    on ``hosts`` "hosts" ``mpiexec -n 2 -env PLURIBUS_MPI_HOST host0 python ... : -n 2 ...``."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
         "mpiexec"
     )
@@ -198,8 +208,16 @@ def _kill_under_mpiexec(
         job_env = {k: v for k, v in os.environ.items() if not k.startswith(("PLURIBUS_", "PMI_"))}
         job_env.update(env or {}, PYTHONUNBUFFERED="1")
         with open(os.path.join(outdir, "output"), "w") as out:
+            command = [mpiexec]
+            for host in range(hosts):
+                if host:
+                    command.append(":")
+                command += ["-n", str(world // hosts)]
+                if hosts > 1:
+                    command += ["-env", "PLURIBUS_MPI_HOST", f"host{host}"]
+                command += [sys.executable, JOB, "mpi", outdir]
             proc = subprocess.Popen(
-                [mpiexec, "-n", str(world), sys.executable, JOB, "mpi", outdir],
+                command,
                 env=job_env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -230,10 +248,10 @@ def _kill_under_mpiexec(
         for rank in range(world):
             segments.update(_read(outdir, f"segments{rank}").split())
         wait_until = time.monotonic() + 5  # the watcher exits once it has seen every rank go
-        while deathwatch_processes() and time.monotonic() < wait_until:
+        while deathwatch_processes(pids) and time.monotonic() < wait_until:
             time.sleep(0.05)
         outcome.leaked_shm = sorted(s for s in segments if os.path.exists(s))
-        outcome.leaked_processes = [p for p in pids if _alive(p)] + deathwatch_processes()
+        outcome.leaked_processes = [p for p in pids if _alive(p)] + deathwatch_processes(pids)
         if outcome.problems():
             outcome.stderr = outcome.output[-3000:]
         return outcome

@@ -47,3 +47,17 @@ def test_survivors_name_the_dead_rank_within_seconds(backend, env, victim):
     outcome = kill_a_rank(backend, victim, env=env)
     problems = outcome.problems()
     assert not problems, "\n".join(problems) + "\n" + getattr(outcome, "stderr", "")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [0, 3])
+def test_on_two_hosts_the_dead_rank_is_named_once(victim):
+    """Two "hosts" of two ranks on this machine: mpiexec kills the other host's ranks too, and
+    only the dead rank is named, once, whether on the hub's host (0) or the other (3)."""
+    if mpi_jobs.under_mpiexec():
+        pytest.skip("starts its own MPI job")
+    mpi_jobs.mpiexec()  # skips when there is none
+    outcome = kill_a_rank("mpi", victim, env={"KILL_JOB_ELEMENTS": "1024"}, hosts=2)
+    problems = outcome.problems()
+    assert not problems, "\n".join(problems) + "\n" + getattr(outcome, "stderr", "")
+    assert f"on host{victim // 2})" in outcome.output, outcome.output

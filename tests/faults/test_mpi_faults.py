@@ -1,6 +1,7 @@
-"""mpi: mismatched calls under DETAIL, and a rank that never arrives while MPI_Abort is off: the
-ranks that waited raise naming it and end the job (MPI_Finalize would wait for that rank). A
-killed rank is in test_dead_peers.py (named in the job's output, nothing left behind)."""
+"""mpi: mismatched calls under DETAIL, and a rank that never arrives: the ranks that waited name
+it (the watchdog before MPI_Abort, or, with MPI_Abort off, the DistTimeoutError they raise
+before ending the job, as MPI_Finalize would wait for that rank). A killed rank is in
+test_dead_peers.py (named in the job's output, nothing left behind)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,23 @@ except DistTimeoutError as exc:
 
 
 @pytest.mark.timeout(90)
+def test_with_abort_the_watchdog_names_the_absent_rank_before_ending_the_job(tmp_path):
+    start = time.monotonic()
+    done = mpi_jobs.run_script(tmp_path, STRAGGLER, 4, {}, timeout=75)
+    took = time.monotonic() - start
+    out = done.stdout + done.stderr
+    reports = [line for line in out.splitlines() if "pluribus-mpi: DistTimeoutError" in line]
+    # the first rank whose watchdog expires aborts the job, so the others may not get to print
+    assert reports, out
+    for line in reports:
+        assert "all_reduce(shape=(1024,), dtype=float32)" in line and "#2 " in line, out
+        assert "rank(s) [3] did not reach it" in line, out
+    assert "calls MPI_Abort" in out, out
+    assert took < 30, f"the job took {took:.0f}s: the ranks waited for rank 3 to end ({out})"
+    assert done.returncode != 0, out
+
+
+@pytest.mark.timeout(90)
 def test_without_abort_the_ranks_that_waited_name_the_absent_rank_and_end(tmp_path):
     start = time.monotonic()
     env = {"PLURIBUS_MPI_ABORT_ON_ERROR": "0"}
@@ -82,4 +100,32 @@ def test_without_abort_the_ranks_that_waited_name_the_absent_rank_and_end(tmp_pa
         assert float(line.split(" raised after ")[1].split("s:")[0]) < 3 + 7, out  # timeout 3 s
     assert "exits without MPI_Finalize" in out, out
     assert took < 30, f"the job took {took:.0f}s: the ranks waited for rank 3 to end ({out})"
+    assert done.returncode != 0, out
+
+
+HOST0_AWAY = """
+import os, sys, time
+
+os.environ["PLURIBUS_MPI_HOST"] = f"host{int(os.environ['PMI_RANK']) // 2}"  # two "hosts"
+import numpy as np
+import pluribus as pb
+
+pb.init_process_group("mpi", timeout=3)
+pb.barrier()
+if pb.get_rank() < 2:
+    time.sleep(60)  # host0's ranks never arrive
+    sys.exit(0)
+pb.all_reduce(np.ones(1024, np.float32))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_on_two_hosts_ranks_that_say_why_they_end_get_no_rank_blamed(tmp_path):
+    """Ranks 2 and 3 ("host1") time out, say why and exit; mpiexec then kills host0's ranks,
+    which host0's watcher must not report as dead: the hub hears that host1 spoke first."""
+    env = {"PLURIBUS_MPI_ABORT_ON_ERROR": "0"}
+    done = mpi_jobs.run_script(tmp_path, HOST0_AWAY, 4, env, timeout=75)
+    out = done.stdout + done.stderr
+    assert "rank(s) [0, 1] did not reach it" in out and "exits without MPI_Finalize" in out, out
+    assert "without finishing" not in out, out
     assert done.returncode != 0, out

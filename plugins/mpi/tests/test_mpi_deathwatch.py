@@ -5,6 +5,7 @@ gone."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import socket
@@ -72,6 +73,76 @@ def test_the_watcher_names_the_rank_that_died_and_no_other():
     assert f"rank 7 (pid {dead} on {socket.gethostname()}) ended" in said, said
     assert "rank 5" not in said and said.count("without finishing") == 1, said
     assert watcher.returncode == 0, said
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets: Linux")
+@pytest.mark.timeout(60)
+def test_the_hub_prints_the_earliest_end_of_every_host_and_ignores_strangers():
+    """The hub (the watcher of rank 0's host) takes ends from watchers that send its token: a
+    death on another host earlier than this host's own is the one printed, once; a connection
+    without the token gets no answer and its forged end is not printed."""
+    import json
+    import time
+
+    from pluribus_mpi import deathwatch
+
+    name = b"\0pluribus-mpi-test-" + secrets.token_hex(8).encode()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(name)
+    listener.listen(8)
+    hub = socket.create_server(("127.0.0.1", 0))
+    token = secrets.token_hex(16)
+    local = subprocess.Popen(
+        [sys.executable, "-c", RANK, name.hex(), "die"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    given, giver = os.pipe()
+    os.write(giver, token.encode() + b"\n")
+    os.close(giver)
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "pluribus_mpi.deathwatch", str(listener.fileno()), f"0:{local.pid}"]
+        + ["--hub", str(hub.fileno())],
+        pass_fds=[listener.fileno(), hub.fileno()],
+        stdin=given,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(given)
+    address = hub.getsockname()
+    listener.close()
+    hub.close()
+
+    def end(rank: int, host: str, at: float) -> bytes:
+        fields = {"kind": "died", "rank": rank, "pid": 99, "host": host, "at": at, "after": []}
+        return json.dumps(fields).encode() + b"\n"
+
+    try:
+        local.stdin.write("connect\n")
+        local.stdin.flush()
+        assert local.stdout.readline().strip() == "connected"
+        earlier = time.time() - 1  # before this host's rank dies
+        with socket.create_connection(address, timeout=10) as stranger:
+            stranger.sendall(b"not the token\n" + end(7, "forged", earlier - 1))
+            assert stranger.recv(3) == b"", "the hub answered a connection without its token"
+        with socket.create_connection(address, timeout=10) as leaf:
+            leaf.sendall(token.encode() + b"\n" + end(3, "far", earlier))
+            assert leaf.recv(3) == b"ok\n"
+            local.send_signal(signal.SIGKILL)
+            local.wait(10)
+            _, said = watcher.communicate(timeout=20)
+    finally:
+        for proc in (local, watcher):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert "rank 3 (pid 99 on far) ended without finishing" in said, said
+    assert said.count("without finishing") == 1, said
+    assert watcher.returncode == 0, said
+    assert deathwatch.End.parse(end(3, "far", 1.5)).host == "far"
+    with pytest.raises(ValueError):
+        deathwatch.End.parse(b'{"kind": "died", "rank": "3"}')
 
 
 def _refused(name: bytes) -> bool:

@@ -75,7 +75,7 @@ class MPIBackend(Backend):
         self.comm = comm
         self.group_name = group_name
         # The group's store says which ranks never reached a collective that timed out; ``seq``
-        # numbers the collectives started as requests (the same on every rank, as MPI's order).
+        # numbers the collectives, blocking ones too (the same on every rank, as MPI's order).
         self.store = store
         self.seq = 0
         self.world_ranks = _world_ranks(comm)
@@ -193,6 +193,7 @@ class MPIBackend(Backend):
                 return general(array, op)
             acquire()
             try:
+                self.seq += 1  # numbers the call for the watchdog's message
                 self._watched = ("all_reduce", array)
                 comm.Allreduce(in_place, [array, found[0]], found[1])
             except MPI.Exception as exc:
@@ -220,6 +221,7 @@ class MPIBackend(Backend):
         """Run ``blocking(*args)``, one blocking MPI call, under the watchdog."""
         with self.start_lock:
             # Arming the watchdog is cheap: the description is made only on expiry.
+            self.seq += 1
             self._watched = (name, key_array)
             if self._watchdog is None:
                 self._start_watchdog()

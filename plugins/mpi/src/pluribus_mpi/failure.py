@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pluribus.arrival import absent_ranks, explain
 from pluribus.errors import DistTimeoutError, PluribusError
 
 from . import deathwatch
@@ -43,11 +44,9 @@ def watch_blocking_calls(backend: MPIBackend) -> None:
             continue
         if watched is None or time.monotonic() - since < backend.timeout:
             continue
-        description = describe(watched[0], watched[1], backend.group_name)
-        error = DistTimeoutError(
-            f"rank {backend.rank}: {description} did not complete within {backend.timeout:.1f}s: "
-            "another rank of the group has not started the same operation (or died)"
-        )
+        error = _timeout_error(backend, watched, backend.seq)
+        if backend._watched is not watched:
+            continue  # it completed while the store was asked: the last rank arrived
         report = (
             f"pluribus-mpi: {type(error).__name__}: {error}\n"
             f"pluribus-mpi: rank {backend.rank} calls MPI_Abort to end all ranks (MPI cannot "
@@ -61,6 +60,26 @@ def watch_blocking_calls(backend: MPIBackend) -> None:
         time.sleep(0.2)  # let mpiexec forward the report
         MPI.COMM_WORLD.Abort(1)
         return
+
+
+def _timeout_error(backend: MPIBackend, watched: tuple[str, Any], seq: int) -> DistTimeoutError:
+    """The error of blocking call ``watched``, collective ``seq`` of its group (the call holds
+    the group's start lock, so no other collective has taken a number since), naming the ranks
+    that never reached it: every rank that did says so in the group's store when its own
+    watchdog expires, as waits that poll a request do (``work.MPIWork``)."""
+    description = describe(watched[0], watched[1], backend.group_name)
+    who = ": another rank of the group has not started the same operation (or died)"
+    if backend.store is not None:
+        try:
+            found = absent_ranks(backend.store, f"reached/{seq}", backend.rank, backend.size)
+            missing: list[int] | None = [backend.world_ranks[r] for r in found]
+        except Exception:
+            missing = None
+        who = explain(missing, backend.timeout)
+    return DistTimeoutError(
+        f"rank {backend.world_ranks[backend.rank]}: {description} (#{seq} of this group) did "
+        f"not complete within {backend.timeout:.1f}s{who}"
+    )
 
 
 def raise_if_any(comm: Any, problem: str | None, what: str) -> None:
