@@ -43,6 +43,12 @@ class _ThreadWorld(threading.local):
 
 
 _thread_world = _ThreadWorld()
+#: The process's default group, and how many threads have a default group of their own: while
+#: none has, the public all_reduce's shortcut reads the group from here (a thread-local read
+#: costs more than the rest of the lookup).
+_process_group: ProcessGroup | None = None
+_thread_worlds = 0
+_thread_worlds_lock = threading.Lock()
 
 
 def _world() -> dict[str, Any]:
@@ -242,10 +248,20 @@ def init_process_group(
     group = _create_group(
         group_name, list(range(world_size)), rank, mapping, store, seconds, backend_options or {}
     )
-    if in_thread:
-        _thread_world.world = world
     world.update(group=group, store=store, owns_store=owns_store, mapping=mapping)
+    _set_default(world, group, in_thread)
     return group
+
+
+def _set_default(world: dict[str, Any], group: ProcessGroup | None, in_thread: bool) -> None:
+    """Make ``group`` (None: no group) the default of this thread or of the process."""
+    global _process_group, _thread_worlds
+    if not in_thread:
+        _process_group = group
+        return
+    with _thread_worlds_lock:
+        _thread_worlds += 1 if group is not None else -1
+    _thread_world.world = world if group is not None else None
 
 
 def _create_group(
@@ -297,8 +313,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         if world.get("owns_store"):
             world["store"].close()
         world.clear()
-        if world is _thread_world.world:
-            _thread_world.world = None
+        _set_default(world, None, world is _thread_world.world)
         return
     if group is NON_GROUP_MEMBER:
         return
@@ -467,37 +482,41 @@ def all_reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``array`` across the group, in place on every rank."""
-    g = _group(group)
     if not async_op:
-        # The call whose fixed cost users time against raw MPI: after the first call with this
-        # array type, dtype and op (under the same plugins), one lookup finds the checked
-        # combination's direct function; contiguity and writability are checked every time.
+        # The call whose fixed cost users time against raw MPI. A synchronous call with the
+        # array type, dtype and op of the group's last checked one (under the same plugins)
+        # goes straight to the group's direct function; contiguity and writability are checked
+        # every time. Anything else (no group yet, NON_GROUP_MEMBER, a failed or closed group,
+        # another combination) takes the checked path below.
+        g = group if group is not None else _process_group if not _thread_worlds else None
         try:
-            key = (type(array), array.dtype, id(op), plugins.generation)
-            bound = g.fast_all_reduce.get(key)
-        except (AttributeError, TypeError):  # not an array: the checks below say so
-            bound = None
-        if bound is not None:
-            flags = array.flags
-            if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
-                _direct_all_reduce(g, bound, array, op)
-                return None
+            kind, dtype, last_op, generation, direct = g.fast_all_reduce
+            if (
+                type(array) is kind
+                and array.dtype is dtype
+                and op is last_op
+                and generation == plugins.generation
+            ):
+                flags = array.flags
+                if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
+                    if flight_recorder.recorder.enabled:
+                        flight_recorder.recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
+                    else:
+                        direct(array, op)
+                    return None
+        except (AttributeError, TypeError):  # no group here, or no shortcut: checked below
+            pass
+    g = _group(group)
     device = _check_reduction(g, array, op, "array")
     if not async_op:
         direct = g.direct("all_reduce", device)
         if direct is not None:
-            g.fast_all_reduce[key] = direct
-            _direct_all_reduce(g, direct, array, op)
+            g.fast_all_reduce = (type(array), array.dtype, op, plugins.generation, direct)
+            if flight_recorder.recorder.enabled:
+                return flight_recorder.recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
+            direct(array, op)
             return None
     return _issue(g, "all_reduce", device, async_op, array, op)
-
-
-def _direct_all_reduce(g: ProcessGroup, direct, array: Any, op: ReduceOp) -> None:
-    recorder = flight_recorder.recorder
-    if recorder.enabled:
-        recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
-    else:
-        direct(array, op)
 
 
 _ALL_REDUCE = OPERATIONS["all_reduce"]

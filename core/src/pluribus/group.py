@@ -58,9 +58,10 @@ class ProcessGroup:
         self._subgroups = 0
         #: (array type, dtype, id(op)) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
-        #: (array type, dtype, id(op), plugin generation) -> direct all_reduce, for the public
-        #: all_reduce's fast path
-        self.fast_all_reduce: dict[tuple[Any, Any, int, int], Callable[..., None]] = {}
+        #: The public all_reduce's shortcut: (array type, dtype, op, plugin generation, the
+        #: direct function) of the last synchronous call checked, or None. Cleared on a failure
+        #: and on close, so that those calls take the path that raises.
+        self.fast_all_reduce: tuple[Any, Any, Any, int, Callable[..., None]] | None = None
         self._direct: dict[tuple[str, str], Callable[..., None] | None] = {}
         self._direct_generation = -1
         #: Whether the core watches this group's calls (see ``Backend.detects_failures`` and
@@ -196,7 +197,7 @@ class ProcessGroup:
 
     def _fail(self, error: PluribusError, reason: str) -> None:
         self.failure = error
-        self.fast_all_reduce = {}  # calls now take the hook path, which raises the failure
+        self.fast_all_reduce = None  # calls now take the hook path, which raises the failure
         self._direct_generation = -1
         for backend in self._distinct_backends():
             try:
@@ -234,6 +235,7 @@ class ProcessGroup:
         if self.closed:
             return
         self.closed = True
+        self.fast_all_reduce = None
         # After a failure a worker may be stuck in a backend's wait: do not wait for it.
         for lane in list(self._lanes.values()):
             lane.close(self.timeout if self.failure is None else 0.5)
