@@ -24,7 +24,7 @@ from .backend import USER_TAG_LIMIT, check_tag_budget
 from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
-from .lifeline import Lifeline
+from .lifeline import Lifeline, WatchedStore
 from .operations import OPERATIONS
 from .plugins import default_backend, get_plugin_manager, resolve_backend
 from .store import AUTH_TOKEN_ENV, DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
@@ -275,13 +275,15 @@ def _create_group(
 ) -> ProcessGroup:
     backends: dict[str, Any] = {}
     made: dict[str, Any] = {}
+    stores: list[WatchedStore] = []
     for device, backend_name in mapping.items():
         if backend_name not in made:
             spec = resolve_backend(backend_name)
+            stores.append(WatchedStore(f"{name}/{backend_name}", store))
             ctx = BackendContext(
                 rank=rank,
                 size=len(ranks),
-                store=PrefixStore(f"{name}/{backend_name}", store),
+                store=stores[-1],
                 timeout=timeout,
                 group_name=name,
                 device=device,
@@ -293,7 +295,9 @@ def _create_group(
     lifeline = None
     if any(not backend.detects_failures for backend in made.values()):
         lifeline = Lifeline(rank, len(ranks), PrefixStore(f"{name}/core", store), timeout)
-    group = ProcessGroup(name, ranks, rank, backends, timeout, store, lifeline=lifeline)
+    group = ProcessGroup(
+        name, ranks, rank, backends, timeout, store, lifeline=lifeline, stores=stores
+    )
     _hook().pluribus_group_created(group=group)
     return group
 
@@ -363,12 +367,14 @@ def new_group(
     local = members.index(parent.global_rank)
     backends: dict[str, Any] = {}
     made: dict[int, Any] = {}
+    stores: list[WatchedStore] = []
     for device, backend in parent.backends.items():
         if id(backend) not in made:
+            stores.append(WatchedStore(f"{name}/{backend.name}", parent.store))
             ctx = BackendContext(
                 rank=local,
                 size=len(members),
-                store=PrefixStore(f"{name}/{backend.name}", parent.store),
+                store=stores[-1],
                 timeout=seconds,
                 group_name=name,
                 device=device,
@@ -377,7 +383,15 @@ def new_group(
             check_tag_budget(made[id(backend)], local)
         backends[device] = made[id(backend)]
     group = ProcessGroup(
-        name, members, local, backends, seconds, parent.store, parent.gpu_staging, parent.lifeline
+        name,
+        members,
+        local,
+        backends,
+        seconds,
+        parent.store,
+        parent.gpu_staging,
+        parent.lifeline,
+        stores,
     )
     _world().setdefault("subgroups", []).append(group)
     _hook().pluribus_group_created(group=group)

@@ -13,7 +13,7 @@ from .arrays import device_of
 from .backend import Backend
 from .builtin import collectives
 from .errors import PeerError, PluribusError
-from .lifeline import Lifeline
+from .lifeline import Lifeline, WatchedStore
 from .operations import OPERATIONS
 from .store import Store
 from .work import CompletedWork, FutureWork, Work
@@ -41,6 +41,7 @@ class ProcessGroup:
         store: Store,
         gpu_staging: bool | None = None,
         lifeline: Lifeline | None = None,
+        stores: list[WatchedStore] | None = None,
     ):
         self.name = name
         self.ranks = list(ranks)
@@ -71,6 +72,9 @@ class ProcessGroup:
             not (b.detects_failures or b.abort_wakes_calls) for b in backends.values()
         )
         self.lifeline = lifeline
+        #: The stores handed to this group's backends (``BackendContext.store``): a failure
+        #: ends their waits, as it calls the backends' ``abort``.
+        self.stores = list(stores or ())
         #: The error every call raises once a member failed or this rank aborted the group.
         self.failure: PluribusError | None = None
         if lifeline is not None:
@@ -199,11 +203,14 @@ class ProcessGroup:
         self.failure = error
         self.fast_all_reduce = None  # calls now take the hook path, which raises the failure
         self._direct_generation = -1
+        for store in self.stores:
+            store.abort(reason)
         for backend in self._distinct_backends():
             try:
                 backend.abort(reason)
             except Exception:  # the waiting calls below are failed regardless
                 pass
+            backend.end_sendrecv_waits(error)
         for lane in list(self._lanes.values()):
             lane.fail(error)
 
@@ -266,8 +273,7 @@ class _Lane:
             inline = not async_op and self.pending == 0 and not queued
             if not inline:
                 self.pending += 1
-                text = description() if callable(description) else description
-                work = FutureWork(f"rank {rank}: {text}", timeout)
+                work = FutureWork(_described(rank, description), timeout)
                 self.outstanding.add(work)
                 self.queue.put((fn, work))
                 if self.worker is None:
@@ -309,6 +315,13 @@ class _Lane:
         if self.worker is not None:
             self.queue.put(None)
             self.worker.join(timeout)
+
+
+def _described(rank: int, description: str | Callable[[], str]) -> Callable[[], str]:
+    """The description of a queued call, made only if an error needs it."""
+    if callable(description):
+        return lambda: f"rank {rank}: {description()}"
+    return lambda: f"rank {rank}: {description}"
 
 
 class _NonMember:
