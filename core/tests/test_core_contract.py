@@ -283,6 +283,8 @@ def test_an_aborted_store_ends_its_waits_and_keeps_its_timeout():
     with pytest.raises(pb.PluribusError, match="rank 3 died"):
         store.get("missing", 20.0)
     assert time.monotonic() - start < 2.0
-    store.set("there", b"1")  # a set still goes through; every get raises
+    store.set("there", b"1")  # a set still goes through; every get and check raises
     with pytest.raises(pb.PluribusError, match="rank 3 died"):
         store.get("there")
+    with pytest.raises(pb.PluribusError, match="rank 3 died"):
+        store.check(["there"])

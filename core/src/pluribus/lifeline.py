@@ -172,8 +172,9 @@ def tell(socks, message: bytes) -> None:
 class WatchedStore(PrefixStore):
     """The store (a prefixed view) the core gives a backend in ``BackendContext.store``:
     :meth:`abort`, which the core calls with the backend's ``abort`` after a failure, ends every
-    wait on it within :attr:`SLICE` seconds, now and later, with a PluribusError the core then
-    replaces by the failure (the PeerError naming the failed rank)."""
+    wait on it within :attr:`SLICE` seconds, and makes every later ``get``, ``wait`` and
+    ``check`` raise, with a PluribusError the core then replaces by the failure (the PeerError
+    naming the failed rank)."""
 
     #: The longest a wait runs before it looks again whether the store was aborted.
     SLICE = 0.25
@@ -196,6 +197,10 @@ class WatchedStore(PrefixStore):
             except DistTimeoutError:
                 if left <= self.SLICE:
                     raise _timeout_error(self._k(key), time.monotonic() - start) from None
+
+    def check(self, keys):
+        self._check()  # a backend polling with check() is stopped too
+        return super().check(keys)
 
     def wait(self, keys, timeout=None):
         deadline = time.monotonic() + self._timeout(timeout)
