@@ -86,7 +86,9 @@ class MPIBackend(Backend):
         self.closed = False
         self.subgroups: list[MPIBackend] = []
         # MPI_THREAD_MULTIPLE allows concurrent calls, but collectives on one communicator must
-        # be started in the same order on every rank: they are started under this lock.
+        # be started in the same order on every rank. The core calls a group's collectives one
+        # at a time (under its lane lock, which the synchronous all-reduce relies on alone);
+        # requests, their sequence numbers and sub-group creation are also started under this.
         self.start_lock = threading.Lock()
         # Synchronous all-reduce, broadcast and barrier on host arrays use MPI's blocking calls
         # (as fast as raw mpi4py: MPICH's non-blocking collectives take slower algorithms), with
