@@ -296,10 +296,23 @@ def _create_group(
     if any(not backend.detects_failures for backend in made.values()):
         lifeline = Lifeline(rank, len(ranks), PrefixStore(f"{name}/core", store), timeout)
     group = ProcessGroup(
-        name, ranks, rank, backends, timeout, store, lifeline=lifeline, stores=stores
+        name,
+        ranks,
+        rank,
+        backends,
+        timeout,
+        store,
+        lifeline=lifeline,
+        stores=_watched(stores, made),
     )
     _hook().pluribus_group_created(group=group)
     return group
+
+
+def _watched(stores: list[WatchedStore], made: dict[Any, Any]) -> list[WatchedStore]:
+    """The stores of the backends that leave failures to the core (made in the same order):
+    the ones whose waits a failure ends. A backend that detects failures keeps its store."""
+    return [s for s, b in zip(stores, made.values(), strict=True) if not b.detects_failures]
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
@@ -391,7 +404,7 @@ def new_group(
         parent.store,
         parent.gpu_staging,
         parent.lifeline,
-        stores,
+        _watched(stores, made),
     )
     _world().setdefault("subgroups", []).append(group)
     _hook().pluribus_group_created(group=group)

@@ -72,8 +72,8 @@ class ProcessGroup:
             not (b.detects_failures or b.abort_wakes_calls) for b in backends.values()
         )
         self.lifeline = lifeline
-        #: The stores handed to this group's backends (``BackendContext.store``): a failure
-        #: ends their waits, as it calls the backends' ``abort``.
+        #: The stores handed to this group's backends that leave failures to the core
+        #: (``BackendContext.store``): a failure ends their waits, after the backends' ``abort``.
         self.stores = list(stores or ())
         #: The error every call raises once a member failed or this rank aborted the group.
         self.failure: PluribusError | None = None
@@ -203,14 +203,14 @@ class ProcessGroup:
         self.failure = error
         self.fast_all_reduce = None  # calls now take the hook path, which raises the failure
         self._direct_generation = -1
-        for store in self.stores:
-            store.abort(reason)
         for backend in self._distinct_backends():
+            backend.end_sendrecv_waits(error)
             try:
                 backend.abort(reason)
             except Exception:  # the waiting calls below are failed regardless
                 pass
-            backend.end_sendrecv_waits(error)
+        for store in self.stores:
+            store.abort(reason)
         for lane in list(self._lanes.values()):
             lane.fail(error)
 
