@@ -8,6 +8,7 @@ import collections
 import queue
 import re
 import threading
+import time
 
 import numpy as np
 import pluribus as pb
@@ -15,6 +16,8 @@ import pytest
 from pluribus import algorithms
 from pluribus.backend import Backend
 from pluribus.builtin import threads
+from pluribus.lifeline import WatchedStore
+from pluribus.store import HashStore
 from pluribus.testing import run_ranks
 
 
@@ -183,3 +186,105 @@ def test_availability_refuses_bad_fields():
     with pytest.raises(TypeError, match="remedy must be a string"):
         pb.Availability(False, "no library", remedy=None)
     assert pb.Availability(False, "no library", "pip install it").remedy == "pip install it"
+
+
+class StoreWire(Backend):
+    """A send/recv-only backend declaring nothing, messages through a store (as the docs'
+    example): it notes the thread each recv runs on."""
+
+    def __init__(self, rank, size, store, timeout=20.0):
+        super().__init__(rank, size, timeout)
+        self.store = store
+        self.seq = collections.Counter()
+        self.recv_threads = []
+
+    def send(self, array, dst, tag=0):
+        key = (self.rank, dst, tag)
+        self.seq[key] += 1
+        self.store.set(f"{key}/{self.seq[key]}", array.tobytes())
+
+    def recv(self, array, src, tag=0):
+        self.recv_threads.append(threading.current_thread().name)
+        key = (src, self.rank, tag)
+        self.seq[key] += 1
+        array[...] = np.frombuffer(
+            self.store.get(f"{key}/{self.seq[key]}", self.timeout), array.dtype
+        )
+
+
+def _store_wire_groups(size, worker=False):
+    shared = HashStore(timeout=20.0)
+    groups = []
+    for rank in range(size):
+        store = WatchedStore("world/wire", shared)
+        backend = StoreWire(rank, size, store)
+        if worker:
+            backend.abort_wakes_calls = False
+        group = pb.ProcessGroup(
+            "world", list(range(size)), rank, {"cpu": backend}, 20.0, shared, stores=[store]
+        )
+        groups.append(group)
+    return groups
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("worker", [False, True])
+def test_a_send_recv_only_backend_runs_calls_on_the_calling_thread_unless_it_says_not(worker):
+    groups = _store_wire_groups(2, worker)
+    results, callers = {}, {}
+
+    def rank_main(group):
+        callers[group.rank] = threading.current_thread().name
+        x = np.arange(4.0) + group.rank
+        for _ in range(3):
+            pb.all_reduce(x, group=group)
+        results[group.rank] = x
+
+    threads_ = [
+        threading.Thread(target=rank_main, args=(g,), name=f"caller-{g.rank}") for g in groups
+    ]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join(30)
+    for g in groups:
+        g.close()
+    expected = 4 * (2 * np.arange(4.0) + 1)
+    for rank in range(2):
+        np.testing.assert_array_equal(results[rank], expected)
+        ran_on = set(groups[rank].backends["cpu"].recv_threads)
+        assert (ran_on == {callers[rank]}) is not worker, ran_on
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_ends_a_call_waiting_on_the_store_on_the_calling_thread():
+    """Rank 1 never calls: rank 0's all-reduce waits in the store on its own thread, and a
+    peer's failure (as the lifeline reports it) ends it at once with PeerError naming rank 1."""
+    group = _store_wire_groups(2)[0]
+    threading.Timer(0.3, group._peer_failed, args=(1, "died: killed for the test")).start()
+    start = time.monotonic()
+    with pytest.raises(pb.PeerError, match="rank 1 died: killed for the test") as info:
+        pb.all_reduce(np.ones(4), group=group)
+    assert info.value.peer == 1
+    assert time.monotonic() - start < 5.0
+    assert group.backends["cpu"].recv_threads == [threading.current_thread().name]
+    with pytest.raises(pb.PeerError):  # and every later call
+        pb.all_reduce(np.ones(4), group=group)
+    group.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_aborted_store_ends_its_waits_and_keeps_its_timeout():
+    store = WatchedStore("g", HashStore(timeout=20.0))
+    with pytest.raises(pb.DistTimeoutError, match="'g/missing' not set after 0.[5-9]"):
+        store.get("missing", 0.6)
+    threading.Timer(0.2, store.abort, args=("rank 3 died",)).start()
+    start = time.monotonic()
+    with pytest.raises(pb.PluribusError, match="rank 3 died"):
+        store.get("missing", 20.0)
+    assert time.monotonic() - start < 2.0
+    store.set("there", b"1")  # a set still goes through; every get and check raises
+    with pytest.raises(pb.PluribusError, match="rank 3 died"):
+        store.get("there")
+    with pytest.raises(pb.PluribusError, match="rank 3 died"):
+        store.check(["there"])

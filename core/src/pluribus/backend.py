@@ -63,13 +63,16 @@ class Backend:
     max_tag: int | None = None
     #: Whether this backend notices a dead peer itself and raises PeerError naming it (and
     #: honours its ``timeout`` in every wait). When False, the core watches the ranks through
-    #: lifelines (:mod:`pluribus.lifeline`), calls :meth:`abort` when one fails, and runs the
-    #: group's calls on its worker thread so that the caller can be told at once.
+    #: lifelines (:mod:`pluribus.lifeline`) and, when one fails, ends the waits of the store it
+    #: gave the backend (``ctx.store``) and calls :meth:`abort`.
     detects_failures = False
-    #: For a backend that leaves failures to the core: whether its ``abort`` wakes every call
-    #: blocked in it (which then raises). When True the core runs calls on the calling thread
-    #: (no hand-off to the worker thread, the fast path) and relies on ``abort`` to free them.
-    abort_wakes_calls = False
+    #: For a backend that leaves failures to the core: whether every call blocked in it ends
+    #: once the core has done that, because it waits only on ``ctx.store`` or because its
+    #: ``abort`` wakes its other waits. Then the core runs calls on the calling thread. Set it
+    #: False when a call may block on something neither ends: the core then runs each call on
+    #: the group's worker thread, which a failure or the group's timeout can abandon (a thread
+    #: hand-off per call).
+    abort_wakes_calls = True
     #: Whether ``send`` may wait for the receiver. When False, the default :meth:`sendrecv`
     #: sends before receiving on the calling thread.
     send_blocks = True
@@ -163,6 +166,12 @@ class Backend:
     def close(self) -> None:
         """Release connections, segments and threads. Called once, on destroy."""
 
+    def end_sendrecv_waits(self, error: BaseException) -> None:
+        """End the waits of :meth:`sendrecv` for sends on the sender thread with ``error`` (the
+        core calls this with :meth:`abort` after a failure; the sends may stay stuck)."""
+        if self._sender is not None:
+            self._sender.fail(error)
+
 
 class _Sent(threading.Event):
     error: BaseException | None = None
@@ -173,12 +182,26 @@ class _Sender:
 
     def __init__(self, name: str):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.posted: set[_Sent] = set()
+        self.failure: BaseException | None = None
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def post(self, send, args: tuple) -> _Sent:
         done = _Sent()
+        if self.failure is not None:
+            done.error = self.failure
+            done.set()
+            return done
+        self.posted.add(done)
         self.queue.put((send, args, done))
         return done
+
+    def fail(self, error: BaseException) -> None:
+        self.failure = error
+        for done in list(self.posted):
+            if not done.is_set():
+                done.error = error
+                done.set()
 
     def _run(self) -> None:
         while True:
@@ -186,7 +209,9 @@ class _Sender:
             try:
                 send(*args)
             except BaseException as exc:  # reported on the calling thread
-                done.error = exc
+                if done.error is None:
+                    done.error = exc
+            self.posted.discard(done)
             done.set()
 
 

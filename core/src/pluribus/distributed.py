@@ -24,7 +24,7 @@ from .backend import USER_TAG_LIMIT, check_tag_budget
 from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
-from .lifeline import Lifeline
+from .lifeline import Lifeline, WatchedStore
 from .operations import OPERATIONS
 from .plugins import default_backend, get_plugin_manager, resolve_backend
 from .store import AUTH_TOKEN_ENV, DEFAULT_TIMEOUT, FileStore, PrefixStore, Store, TCPStore
@@ -43,6 +43,12 @@ class _ThreadWorld(threading.local):
 
 
 _thread_world = _ThreadWorld()
+#: The process's default group, and how many threads have a default group of their own: while
+#: none has, the public all_reduce's shortcut reads the group from here (a thread-local read
+#: costs more than the rest of the lookup).
+_process_group: ProcessGroup | None = None
+_thread_worlds = 0
+_thread_worlds_lock = threading.Lock()
 
 
 def _world() -> dict[str, Any]:
@@ -242,10 +248,20 @@ def init_process_group(
     group = _create_group(
         group_name, list(range(world_size)), rank, mapping, store, seconds, backend_options or {}
     )
-    if in_thread:
-        _thread_world.world = world
     world.update(group=group, store=store, owns_store=owns_store, mapping=mapping)
+    _set_default(world, group, in_thread)
     return group
+
+
+def _set_default(world: dict[str, Any], group: ProcessGroup | None, in_thread: bool) -> None:
+    """Make ``group`` (None: no group) the default of this thread or of the process."""
+    global _process_group, _thread_worlds
+    if not in_thread:
+        _process_group = group
+        return
+    with _thread_worlds_lock:
+        _thread_worlds += 1 if group is not None else -1
+    _thread_world.world = world if group is not None else None
 
 
 def _create_group(
@@ -259,13 +275,15 @@ def _create_group(
 ) -> ProcessGroup:
     backends: dict[str, Any] = {}
     made: dict[str, Any] = {}
+    stores: list[WatchedStore] = []
     for device, backend_name in mapping.items():
         if backend_name not in made:
             spec = resolve_backend(backend_name)
+            stores.append(WatchedStore(f"{name}/{backend_name}", store))
             ctx = BackendContext(
                 rank=rank,
                 size=len(ranks),
-                store=PrefixStore(f"{name}/{backend_name}", store),
+                store=stores[-1],
                 timeout=timeout,
                 group_name=name,
                 device=device,
@@ -277,9 +295,24 @@ def _create_group(
     lifeline = None
     if any(not backend.detects_failures for backend in made.values()):
         lifeline = Lifeline(rank, len(ranks), PrefixStore(f"{name}/core", store), timeout)
-    group = ProcessGroup(name, ranks, rank, backends, timeout, store, lifeline=lifeline)
+    group = ProcessGroup(
+        name,
+        ranks,
+        rank,
+        backends,
+        timeout,
+        store,
+        lifeline=lifeline,
+        stores=_watched(stores, made),
+    )
     _hook().pluribus_group_created(group=group)
     return group
+
+
+def _watched(stores: list[WatchedStore], made: dict[Any, Any]) -> list[WatchedStore]:
+    """The stores of the backends that leave failures to the core (made in the same order):
+    the ones whose waits a failure ends. A backend that detects failures keeps its store."""
+    return [s for s, b in zip(stores, made.values(), strict=True) if not b.detects_failures]
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
@@ -297,8 +330,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         if world.get("owns_store"):
             world["store"].close()
         world.clear()
-        if world is _thread_world.world:
-            _thread_world.world = None
+        _set_default(world, None, world is _thread_world.world)
         return
     if group is NON_GROUP_MEMBER:
         return
@@ -348,12 +380,14 @@ def new_group(
     local = members.index(parent.global_rank)
     backends: dict[str, Any] = {}
     made: dict[int, Any] = {}
+    stores: list[WatchedStore] = []
     for device, backend in parent.backends.items():
         if id(backend) not in made:
+            stores.append(WatchedStore(f"{name}/{backend.name}", parent.store))
             ctx = BackendContext(
                 rank=local,
                 size=len(members),
-                store=PrefixStore(f"{name}/{backend.name}", parent.store),
+                store=stores[-1],
                 timeout=seconds,
                 group_name=name,
                 device=device,
@@ -362,7 +396,15 @@ def new_group(
             check_tag_budget(made[id(backend)], local)
         backends[device] = made[id(backend)]
     group = ProcessGroup(
-        name, members, local, backends, seconds, parent.store, parent.gpu_staging, parent.lifeline
+        name,
+        members,
+        local,
+        backends,
+        seconds,
+        parent.store,
+        parent.gpu_staging,
+        parent.lifeline,
+        _watched(stores, made),
     )
     _world().setdefault("subgroups", []).append(group)
     _hook().pluribus_group_created(group=group)
@@ -467,37 +509,41 @@ def all_reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``array`` across the group, in place on every rank."""
-    g = _group(group)
     if not async_op:
-        # The call whose fixed cost users time against raw MPI: after the first call with this
-        # array type, dtype and op (under the same plugins), one lookup finds the checked
-        # combination's direct function; contiguity and writability are checked every time.
+        # The call whose fixed cost users time against raw MPI. A synchronous call with the
+        # array type, dtype and op of the group's last checked one (under the same plugins)
+        # goes straight to the group's direct function; contiguity and writability are checked
+        # every time. Anything else (no group yet, NON_GROUP_MEMBER, a failed or closed group,
+        # another combination) takes the checked path below.
+        g = group if group is not None else _process_group if not _thread_worlds else None
         try:
-            key = (type(array), array.dtype, id(op), plugins.generation)
-            bound = g.fast_all_reduce.get(key)
-        except (AttributeError, TypeError):  # not an array: the checks below say so
-            bound = None
-        if bound is not None:
-            flags = array.flags
-            if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
-                _direct_all_reduce(g, bound, array, op)
-                return None
+            kind, dtype, last_op, generation, direct = g.fast_all_reduce
+            if (
+                type(array) is kind
+                and array.dtype is dtype
+                and op is last_op
+                and generation == plugins.generation
+            ):
+                flags = array.flags
+                if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
+                    if flight_recorder.recorder.enabled:
+                        flight_recorder.recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
+                    else:
+                        direct(array, op)
+                    return None
+        except (AttributeError, TypeError):  # no group here, or no shortcut: checked below
+            pass
+    g = _group(group)
     device = _check_reduction(g, array, op, "array")
     if not async_op:
         direct = g.direct("all_reduce", device)
         if direct is not None:
-            g.fast_all_reduce[key] = direct
-            _direct_all_reduce(g, direct, array, op)
+            g.fast_all_reduce = (type(array), array.dtype, op, plugins.generation, direct)
+            if flight_recorder.recorder.enabled:
+                return flight_recorder.recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
+            direct(array, op)
             return None
     return _issue(g, "all_reduce", device, async_op, array, op)
-
-
-def _direct_all_reduce(g: ProcessGroup, direct, array: Any, op: ReduceOp) -> None:
-    recorder = flight_recorder.recorder
-    if recorder.enabled:
-        recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
-    else:
-        direct(array, op)
 
 
 _ALL_REDUCE = OPERATIONS["all_reduce"]

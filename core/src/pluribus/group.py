@@ -13,7 +13,7 @@ from .arrays import device_of
 from .backend import Backend
 from .builtin import collectives
 from .errors import PeerError, PluribusError
-from .lifeline import Lifeline
+from .lifeline import Lifeline, WatchedStore
 from .operations import OPERATIONS
 from .store import Store
 from .work import CompletedWork, FutureWork, Work
@@ -41,6 +41,7 @@ class ProcessGroup:
         store: Store,
         gpu_staging: bool | None = None,
         lifeline: Lifeline | None = None,
+        stores: list[WatchedStore] | None = None,
     ):
         self.name = name
         self.ranks = list(ranks)
@@ -58,9 +59,10 @@ class ProcessGroup:
         self._subgroups = 0
         #: (array type, dtype, id(op)) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
-        #: (array type, dtype, id(op), plugin generation) -> direct all_reduce, for the public
-        #: all_reduce's fast path
-        self.fast_all_reduce: dict[tuple[Any, Any, int, int], Callable[..., None]] = {}
+        #: The public all_reduce's shortcut: (array type, dtype, op, plugin generation, the
+        #: direct function) of the last synchronous call checked, or None. Cleared on a failure
+        #: and on close, so that those calls take the path that raises.
+        self.fast_all_reduce: tuple[Any, Any, Any, int, Callable[..., None]] | None = None
         self._direct: dict[tuple[str, str], Callable[..., None] | None] = {}
         self._direct_generation = -1
         #: Whether the core watches this group's calls (see ``Backend.detects_failures`` and
@@ -70,6 +72,9 @@ class ProcessGroup:
             not (b.detects_failures or b.abort_wakes_calls) for b in backends.values()
         )
         self.lifeline = lifeline
+        #: The stores handed to this group's backends that leave failures to the core
+        #: (``BackendContext.store``): a failure ends their waits, after the backends' ``abort``.
+        self.stores = list(stores or ())
         #: The error every call raises once a member failed or this rank aborted the group.
         self.failure: PluribusError | None = None
         if lifeline is not None:
@@ -196,13 +201,16 @@ class ProcessGroup:
 
     def _fail(self, error: PluribusError, reason: str) -> None:
         self.failure = error
-        self.fast_all_reduce = {}  # calls now take the hook path, which raises the failure
+        self.fast_all_reduce = None  # calls now take the hook path, which raises the failure
         self._direct_generation = -1
         for backend in self._distinct_backends():
+            backend.end_sendrecv_waits(error)
             try:
                 backend.abort(reason)
             except Exception:  # the waiting calls below are failed regardless
                 pass
+        for store in self.stores:
+            store.abort(reason)
         for lane in list(self._lanes.values()):
             lane.fail(error)
 
@@ -234,6 +242,7 @@ class ProcessGroup:
         if self.closed:
             return
         self.closed = True
+        self.fast_all_reduce = None
         # After a failure a worker may be stuck in a backend's wait: do not wait for it.
         for lane in list(self._lanes.values()):
             lane.close(self.timeout if self.failure is None else 0.5)
@@ -264,8 +273,7 @@ class _Lane:
             inline = not async_op and self.pending == 0 and not queued
             if not inline:
                 self.pending += 1
-                text = description() if callable(description) else description
-                work = FutureWork(f"rank {rank}: {text}", timeout)
+                work = FutureWork(_described(rank, description), timeout)
                 self.outstanding.add(work)
                 self.queue.put((fn, work))
                 if self.worker is None:
@@ -307,6 +315,13 @@ class _Lane:
         if self.worker is not None:
             self.queue.put(None)
             self.worker.join(timeout)
+
+
+def _described(rank: int, description: str | Callable[[], str]) -> Callable[[], str]:
+    """The description of a queued call, made only if an error needs it."""
+    if callable(description):
+        return lambda: f"rank {rank}: {description()}"
+    return lambda: f"rank {rank}: {description}"
 
 
 class _NonMember:

@@ -9,6 +9,8 @@ of another's failure passes that root cause on instead of its own symptom.
 
 The core opens lifelines for a world whose backend does not detect failures itself
 (``Backend.detects_failures``); gloo and ucc keep their own, faster, detection.
+:class:`WatchedStore` is the store the core hands each backend: a failure ends its waits, so
+that a send/recv-only backend waiting on it can run its calls on the calling thread.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import os
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 
+from .errors import DistTimeoutError, PluribusError
+from .store import PrefixStore, Store, _timeout_error
 from .tcp_mesh import connect_mesh
 
 _BYE, _ABORT = b"B", b"A"
@@ -162,3 +167,46 @@ def tell(socks, message: bytes) -> None:
                 sock.setblocking(False)
             except OSError:
                 pass
+
+
+class WatchedStore(PrefixStore):
+    """The store (a prefixed view) the core gives a backend in ``BackendContext.store``:
+    :meth:`abort`, which the core calls with the backend's ``abort`` after a failure, ends every
+    wait on it within :attr:`SLICE` seconds, and makes every later ``get``, ``wait`` and
+    ``check`` raise, with a PluribusError the core then replaces by the failure (the PeerError
+    naming the failed rank)."""
+
+    #: The longest a wait runs before it looks again whether the store was aborted.
+    SLICE = 0.25
+
+    def __init__(self, prefix: str, store: Store):
+        super().__init__(prefix, store)
+        self.aborted: str | None = None
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+
+    def get(self, key, timeout=None):
+        start = time.monotonic()
+        deadline = start + self._timeout(timeout)
+        while True:
+            self._check()
+            left = deadline - time.monotonic()
+            try:
+                return super().get(key, max(0.0, min(self.SLICE, left)))
+            except DistTimeoutError:
+                if left <= self.SLICE:
+                    raise _timeout_error(self._k(key), time.monotonic() - start) from None
+
+    def check(self, keys):
+        self._check()  # a backend polling with check() is stopped too
+        return super().check(keys)
+
+    def wait(self, keys, timeout=None):
+        deadline = time.monotonic() + self._timeout(timeout)
+        for key in keys:
+            self.get(key, max(0.0, deadline - time.monotonic()))
+
+    def _check(self) -> None:
+        if self.aborted is not None:
+            raise PluribusError(f"store {self.prefix!r}: the group was stopped: {self.aborted}")

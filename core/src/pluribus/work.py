@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import _thread
 from collections.abc import Callable
 from typing import Any
 
@@ -43,16 +43,34 @@ class CompletedWork(Work):
 
 
 class FutureWork(Work):
-    """A Work completed by another thread through ``set_result`` or ``set_exception``."""
+    """A Work completed by another thread through ``set_result`` or ``set_exception``.
 
-    def __init__(self, description: str = "operation", default_timeout: float | None = None):
-        self.description = description
+    Waiting is one lock acquire (a latch: held until the work finishes), not an Event's
+    condition variable: a synchronous call that the core hands to a group's worker thread waits
+    on one of these, and the hand-off is a large part of such a call's cost. ``description`` may
+    be a function making it, called only when an error needs it.
+    """
+
+    def __init__(
+        self,
+        description: str | Callable[[], str] = "operation",
+        default_timeout: float | None = None,
+    ):
+        self._description = description
         self.default_timeout = default_timeout
-        self._done = threading.Event()
+        self._latch = _thread.allocate_lock()
+        self._latch.acquire()
+        self._finished = False
         self._error: BaseException | None = None
         self._value: Any = None
         self._callbacks: list[Callable[[FutureWork], None]] = []
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
+
+    @property
+    def description(self) -> str:
+        if callable(self._description):
+            self._description = self._description()
+        return self._description
 
     def set_result(self, value: Any = None) -> None:
         self._finish(value, None)
@@ -63,10 +81,11 @@ class FutureWork(Work):
     def _finish(self, value: Any, error: BaseException | None) -> None:
         """The first outcome stands (a peer's failure may end a work before its job does)."""
         with self._lock:
-            if self._done.is_set():
+            if self._finished:
                 return
             self._value, self._error = value, error
-            self._done.set()
+            self._finished = True
+            self._latch.release()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
@@ -74,25 +93,32 @@ class FutureWork(Work):
     def add_done_callback(self, callback: Callable[[FutureWork], None]) -> None:
         """Call ``callback(work)`` when the work finishes (at once if it already has)."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
                 self._callbacks.append(callback)
                 return
         callback(self)
 
     def wait(self, timeout: float | None = None) -> bool:
-        limit = self.default_timeout if timeout is None else timeout
-        if not self._done.wait(limit):
-            raise DistTimeoutError(f"{self.description} did not complete within {limit:.1f}s")
+        if not self._finished:
+            limit = self.default_timeout if timeout is None else timeout
+            if not self._latch.acquire(timeout=_lock_timeout(limit)):
+                raise DistTimeoutError(f"{self.description} did not complete within {limit:.1f}s")
+            self._latch.release()  # open for every other waiter
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def exception(self) -> BaseException | None:
-        return self._error if self._done.is_set() else None
+        return self._error if self._finished else None
 
     def result(self) -> Any:
         self.wait()
         return self._value
+
+
+def _lock_timeout(limit: float | None) -> float:
+    """``limit`` as a lock's acquire timeout: -1 waits for good."""
+    return -1 if limit is None else min(max(limit, 0.0), _thread.TIMEOUT_MAX)

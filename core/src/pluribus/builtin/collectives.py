@@ -70,10 +70,13 @@ def run(op: Operation, group, args: tuple, async_op: bool):
     key = op.key_array(args)
     lane = _lane(op, args)
     staging = key is not None and device_of(key) not in backend.devices
-    if async_op and not staging and not group.lane(lane).pending:
-        work = backend.start(op.name, args)
-        if work is not None:
-            return work
+    if async_op and not staging:
+        ordered = group.lane(lane)
+        if not ordered.pending:
+            with ordered.exec_lock:  # one call into the backend at a time per lane, starts too
+                work = backend.start(op.name, args)
+            if work is not None:
+                return work
     method = blocking(backend, op.name)
 
     def description() -> str:
@@ -102,20 +105,22 @@ def direct(group, op: Operation, device: str) -> Callable[..., None] | None:
         return None  # host staging, the core's watch, a lane per peer: decided per call
     method = blocking(backend, op.name)
     lane = group.lane("collectives")
+    rank, timeout = group.global_rank, group.timeout
+    acquire, release = lane.exec_lock.acquire, lane.exec_lock.release
 
-    rank, timeout, exec_lock = group.global_rank, group.timeout, lane.exec_lock
-
-    def call(*args):  # Lane.call, inlined: this is the fixed cost users time against raw MPI
+    def call(*args):  # Lane.submit, inlined: this is the fixed cost users time against raw MPI
         if lane.pending:
             lane.submit(
                 lambda: method(*args), False, lambda: describe(op, group, args), rank, timeout
             )
             return
-        with exec_lock:
-            try:
-                method(*args)
-            except Exception as exc:
-                raise translate(exc, group, backend, describe(op, group, args)) from exc
+        acquire()
+        try:
+            method(*args)
+        except Exception as exc:
+            raise translate(exc, group, backend, describe(op, group, args)) from exc
+        finally:
+            release()
 
     return call
 

@@ -86,7 +86,9 @@ class MPIBackend(Backend):
         self.closed = False
         self.subgroups: list[MPIBackend] = []
         # MPI_THREAD_MULTIPLE allows concurrent calls, but collectives on one communicator must
-        # be started in the same order on every rank: they are started under this lock.
+        # be started in the same order on every rank. The core calls a group's collectives one
+        # at a time (under its lane lock, which the synchronous all-reduce relies on alone);
+        # requests, their sequence numbers and sub-group creation are also started under this.
         self.start_lock = threading.Lock()
         # Synchronous all-reduce, broadcast and barrier on host arrays use MPI's blocking calls
         # (as fast as raw mpi4py: MPICH's non-blocking collectives take slower algorithms), with
@@ -163,9 +165,10 @@ class MPIBackend(Backend):
         """The synchronous all-reduce with nothing between the caller and ``MPI_Allreduce`` but
         arming the watchdog: the call users time against raw mpi4py, and what the core calls
         as this backend's ``all_reduce``. AVG, half floats, cupy arrays and a stopped backend
-        take ``general``."""
+        take ``general``. It takes no lock of its own: the core calls a group's collectives
+        one at a time (under the group's lane lock, ``start`` included), which is the start
+        order MPI needs."""
         comm, in_place, ndarray = self.comm, MPI.IN_PLACE, np.ndarray
-        acquire, release = self.start_lock.acquire, self.start_lock.release
         # Keyed by id(op): ReduceOp members live for good, and Enum's hash is slow.
         types_and_ops = {
             (dtype, id(op)): found
@@ -191,17 +194,15 @@ class MPIBackend(Backend):
                 or self.closed
             ):
                 return general(array, op)
-            acquire()
+            self.seq += 1  # numbers the call for the watchdog's message
+            self._watched = ("all_reduce", array)
             try:
-                self.seq += 1  # numbers the call for the watchdog's message
-                self._watched = ("all_reduce", array)
                 comm.Allreduce(in_place, [array, found[0]], found[1])
             except MPI.Exception as exc:
                 description = describe("all_reduce", array, self.group_name)
                 raise self.translate(exc, description) from exc
             finally:
                 self._watched = None
-                release()
 
         return all_reduce
 
