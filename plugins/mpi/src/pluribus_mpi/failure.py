@@ -15,12 +15,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pluribus.arrival import absent_ranks, explain
 from pluribus.errors import DistTimeoutError, PluribusError
 
 from . import deathwatch
 from .datatypes import MPI
-from .work import LEFT_POSTED, describe
+from .work import LEFT_POSTED, describe, who_did_not_arrive
 
 if TYPE_CHECKING:
     from .backend import MPIBackend
@@ -68,14 +67,7 @@ def _timeout_error(backend: MPIBackend, watched: tuple[str, Any], seq: int) -> D
     that never reached it: every rank that did says so in the group's store when its own
     watchdog expires, as waits that poll a request do (``work.MPIWork``)."""
     description = describe(watched[0], watched[1], backend.group_name)
-    who = ": another rank of the group has not started the same operation (or died)"
-    if backend.store is not None:
-        try:
-            found = absent_ranks(backend.store, f"reached/{seq}", backend.rank, backend.size)
-            missing: list[int] | None = [backend.world_ranks[r] for r in found]
-        except Exception:
-            missing = None
-        who = explain(missing, backend.timeout)
+    who = who_did_not_arrive(backend, seq, backend.timeout)
     return DistTimeoutError(
         f"rank {backend.world_ranks[backend.rank]}: {description} (#{seq} of this group) did "
         f"not complete within {backend.timeout:.1f}s{who}"

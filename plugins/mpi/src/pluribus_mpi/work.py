@@ -45,6 +45,23 @@ def describe(name: str, key_array: Any, group_name: str) -> str:
     )
 
 
+NOT_STARTED = ": another rank of the group has not started the same operation (or died)"
+
+
+def who_did_not_arrive(backend: MPIBackend, seq: int, limit: float) -> str:
+    """The end of a timeout message naming the ranks that never reached collective ``seq`` of
+    ``backend``'s group: every rank that did says so in the group's store when its own wait
+    runs out (as gloo and ucc do)."""
+    if backend.store is None:
+        return NOT_STARTED
+    try:
+        found = absent_ranks(backend.store, f"reached/{seq}", backend.rank, backend.size)
+        missing: list[int] | None = [backend.world_ranks[r] for r in found]
+    except Exception:
+        missing = None
+    return explain(missing, limit)
+
+
 class Pending:
     """A request in flight, the callbacks that finish the operation, and the arrays it uses."""
 
@@ -155,18 +172,11 @@ class MPIWork(Work):
         backend, seq = self.backend, self.pending.seq
         if seq:  # a posted receive does not hold MPI_Finalize up; a collective does
             LEFT_POSTED.add(self)
-        where, who = "", ": another rank has not started the same operation (or died)"
+        where, who = "", NOT_STARTED
         if seq:
             where = f" (#{seq} of this group)"
-            if ask_who and backend.store is not None:
-                try:
-                    found = absent_ranks(
-                        backend.store, f"reached/{seq}", backend.rank, backend.size
-                    )
-                    missing: list[int] | None = [backend.world_ranks[r] for r in found]
-                except Exception:
-                    missing = None
-                who = explain(missing, limit)
+            if ask_who:
+                who = who_did_not_arrive(backend, seq, limit)
         return DistTimeoutError(
             f"rank {backend.world_ranks[backend.rank]}: {self.description}{where} did not "
             f"complete within {limit:.1f}s{who}. "
