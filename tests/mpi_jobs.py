@@ -3,7 +3,6 @@
 tests starting their own job use."""
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,12 +10,16 @@ from pathlib import Path
 
 import pytest
 
-#: what mpiexec (MPICH's hydra, Open MPI, PMIx launchers, Intel MPI) sets in each rank
-MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+try:  # the mpi plugin knows what every MPI launcher sets, and where mpiexec is
+    from pluribus_mpi.env import in_mpi_job as under_mpiexec
+    from pluribus_mpi.env import mpiexec_path
+except ImportError:  # not installed: no test here runs as, or starts, an MPI job
 
+    def under_mpiexec() -> bool:
+        return False
 
-def under_mpiexec() -> bool:
-    return any(v in os.environ for v in MPI_RANK_VARS)
+    def mpiexec_path() -> str | None:
+        return None
 
 
 def only_under_mpiexec(test_file: str) -> pytest.MarkDecorator:
@@ -29,9 +32,8 @@ def only_under_mpiexec(test_file: str) -> pytest.MarkDecorator:
 
 
 def mpiexec() -> str:
-    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    """The mpiexec this job would use; skips the test when there is none."""
+    found = mpiexec_path()
     if found is None:
         pytest.skip("no mpiexec: pip install mpich (or load your MPI module)")
     return found

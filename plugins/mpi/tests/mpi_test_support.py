@@ -4,7 +4,6 @@ when several test folders have one)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from pluribus_mpi.env import in_mpi_job
+from pluribus_mpi.env import in_mpi_job, mpiexec_path
 
 #: Seconds a collective may wait in these tests before it raises DistTimeoutError.
 TEST_TIMEOUT = 60.0
@@ -20,9 +19,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def mpiexec() -> str:
-    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    """The mpiexec this job would use (:func:`pluribus_mpi.env.mpiexec_path`); skips if none."""
+    found = mpiexec_path()
     if found is None:
         pytest.skip("no mpiexec: pip install mpich (or load your MPI module)")
     return found

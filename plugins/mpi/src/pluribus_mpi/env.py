@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
+import sys
 from typing import Any
 
 #: (rank, size) variables that MPI launchers set in every rank's environment.
@@ -41,6 +43,12 @@ def launcher_rank_size() -> tuple[int, int | None] | None:
 def in_mpi_job() -> bool:
     """True when an MPI launcher (mpiexec, mpirun, srun with PMI) started this process."""
     return launcher_rank_size() is not None
+
+
+def mpiexec_path() -> str | None:
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH, else None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else shutil.which("mpiexec")
 
 
 def env_disagreement(rank: int, size: int) -> str | None:
