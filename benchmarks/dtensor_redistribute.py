@@ -4,10 +4,12 @@ and the tensor-parallel GPT MLP's speed-up of 2 ranks over 1.
     python benchmarks/dtensor_redistribute.py                  # everything below, gloo
     python benchmarks/dtensor_redistribute.py --only overhead  # the fixed cost only
     python benchmarks/dtensor_redistribute.py --only mlp --embd 768 --tokens 256
+    python benchmarks/dtensor_redistribute.py --only collectives --device cuda --backend ucc
 
-The ranks are processes on gloo (one BLAS thread each). Each comparison alternates the two
-calls in rounds, so that machine load hits both alike, and prints the median (and fastest)
-time per call; ratio = redistribute / by hand.
+The ranks are processes on gloo (one BLAS thread each), or on ``--backend`` with cupy arrays
+under ``--device cuda`` (each call then ends with a synchronisation of the stream). Each
+comparison alternates the two calls in rounds, so that machine load hits both alike, and prints
+the median (and fastest) time per call; ratio = redistribute / by hand.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ def _rounds(fns: dict, seconds: float) -> dict:
     return out
 
 
-def _pairs(mesh, nbytes: int) -> dict:
-    """For each collective: (redistribute, the same collective by hand) on ``nbytes``."""
+def _pairs(mesh, nbytes: int, xp) -> dict:
+    """For each collective: (redistribute, the same collective by hand) on ``nbytes`` of
+    arrays of namespace ``xp`` (numpy or cupy)."""
     import pluribus as pb
     from pluribus.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    whole = np.zeros((nbytes // 4 // 256, 256), np.float32)
+    whole = xp.zeros((nbytes // 4 // 256, 256), xp.float32)
     shard = distribute_tensor(whole, mesh, [Shard(0)])
     partial = distribute_tensor(whole, mesh, [Partial()])
     local, term = shard.to_local(), partial.to_local()
@@ -68,14 +71,14 @@ def _pairs(mesh, nbytes: int) -> dict:
 
     def all_to_all_by_hand():
         """Shard(0) -> Shard(1) as one would write it: column blocks out, row blocks in."""
-        out = np.empty((whole.shape[0], cols), np.float32)
-        sends = [np.ascontiguousarray(local[:, k * cols : (k + 1) * cols]) for k in range(p)]
+        out = xp.empty((whole.shape[0], cols), xp.float32)
+        sends = [xp.ascontiguousarray(local[:, k * cols : (k + 1) * cols]) for k in range(p)]
         pb.all_to_all([out[k * rows : (k + 1) * rows] for k in range(p)], sends)
 
     return {
         "all_gather": (
             lambda: shard.redistribute(placements=[Replicate()]),
-            lambda: pb.all_gather(np.empty_like(whole), local),
+            lambda: pb.all_gather(xp.empty_like(whole), local),
         ),
         "all_reduce": (
             lambda: partial.redistribute(placements=[Replicate()]),
@@ -94,7 +97,7 @@ def _pairs(mesh, nbytes: int) -> dict:
         ),
         "reduce_scatter": (
             lambda: partial.redistribute(placements=[Shard(0)]),
-            lambda: pb.reduce_scatter(np.empty_like(local), buffer),
+            lambda: pb.reduce_scatter(xp.empty_like(local), buffer),
         ),
         "all_to_all": (
             lambda: shard.redistribute(placements=[Shard(1)]),
@@ -103,16 +106,32 @@ def _pairs(mesh, nbytes: int) -> dict:
     }
 
 
-def _collectives(seconds: float, ops: list[str] | None):
+def _synchronized(fn):
+    """``fn`` followed by a wait for the GPU's current stream: a call's time is its whole work."""
+    import cupy
+
+    def call():
+        fn()
+        cupy.cuda.get_current_stream().synchronize()
+
+    return call
+
+
+def _collectives(seconds: float, ops: list[str] | None, device: str = "cpu"):
     import pluribus as pb
     from pluribus.dtensor import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    mesh = init_device_mesh(device, (pb.get_world_size(),))
+    xp = np
+    if device == "cuda":
+        import cupy as xp
     out = []
     for label, nbytes in SIZES.items():
-        for op, (ours, hand) in _pairs(mesh, nbytes).items():
+        for op, (ours, hand) in _pairs(mesh, nbytes, xp).items():
             if ops and op not in ops:
                 continue
+            if device == "cuda":
+                ours, hand = _synchronized(ours), _synchronized(hand)
             t = _rounds({"redistribute": ours, "hand": hand}, seconds)
             out.append((label, op, t["redistribute"], t["hand"], t["ratio"]))
     return out
@@ -214,6 +233,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per comparison")
     parser.add_argument("--embd", type=int, default=768)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="collectives")
+    parser.add_argument("--backend", default="gloo", help="collectives (ucc for cuda)")
     args = parser.parse_args()
     run = {"collectives", "overhead", "mlp"} if args.only is None else {args.only}
     ops = args.ops.split(",") if args.ops else None
@@ -222,11 +243,16 @@ def main() -> None:
             print(f"overhead  {name}: {med:.2f} us (fastest {best:.2f})")
     if "collectives" in run:
         for p in [int(s) for s in args.ranks.split(",")]:
-            rows = run_ranks(_collectives, p, backend="gloo", env=ENV, timeout=600,
-                             args=(args.seconds, ops))[0]  # fmt: skip
+            options = (
+                {"ucc_cuda": True} if args.backend == "ucc" and args.device == "cuda" else None
+            )
+            rows = run_ranks(_collectives, p, backend=args.backend, env=ENV, timeout=600,
+                             args=(args.seconds, ops, args.device),
+                             backend_options=options)[0]  # fmt: skip
             for label, op, ours, hand, ratio in rows:
                 print(
-                    f"gloo {p} ranks  {label:>6}  {op:<18}  redistribute {ours[0] * 1e6:9.1f} us"
+                    f"{args.backend} {args.device} {p} ranks  {label:>6}  {op:<18}  redistribute "
+                    f"{ours[0] * 1e6:9.1f} us"
                     f" (fastest {ours[1] * 1e6:9.1f})  by hand {hand[0] * 1e6:9.1f} us (fastest "
                     f"{hand[1] * 1e6:9.1f})  ratio of medians {ours[0] / hand[0]:.3f}, median "
                     f"ratio {ratio:.3f} (fastest {ours[1] / hand[1]:.3f})"

@@ -70,10 +70,19 @@ def stages_on_rank(
     ]
 
 
-def pipeline_train_on_rank(name: str, m: int, steps: int = 2, lr: float = 0.1):
-    """The pipeline's losses, output and gradients of this rank's parameters, per step."""
+def _on_host(array):
+    """numpy for the comparisons (cupy arrays come back with ``.get()``)."""
+    return array if array is None or isinstance(array, np.ndarray) else array.get()
+
+
+def pipeline_train_on_rank(name: str, m: int, steps: int = 2, lr: float = 0.1, device: str = "cpu"):
+    """The pipeline's losses, output and gradients of this rank's parameters, per step, with
+    the stages' parameters and the batch on ``device`` ("cuda": cupy)."""
     p = dist.get_world_size()
-    model = blocks_model()
+    model = blocks_model().to(device=device)
+    xp = np
+    if device == "cuda":
+        import cupy as xp
     stages = stages_on_rank(model, p, STAGES_PER_RANK.get(name, 1), name=name)
     schedule = pp.SCHEDULE_CLASSES[name](stages, m, nn.MSELoss())
     params = [q for s in stages for q in s.module.parameters()]
@@ -81,13 +90,15 @@ def pipeline_train_on_rank(name: str, m: int, steps: int = 2, lr: float = 0.1):
     mine = {id(q) for q in params}
     results = []
     for x, y in batches(m, steps):
+        x, y = xp.asarray(x), xp.asarray(y)
         losses: list = []
         first, last = dist.get_rank() == 0, dist.get_rank() == last_stage_rank(name, p)
         out = schedule.step(
             x if first else None, target=y if last else None, losses=losses if last else None
         )
-        grads = {n: q.grad.copy() for n, q in model.named_parameters() if id(q) in mine}
-        results.append(([float(v) for v in losses], out, grads))
+        assert out is None or isinstance(out, xp.ndarray), type(out)
+        grads = {n: _on_host(q.grad).copy() for n, q in model.named_parameters() if id(q) in mine}
+        results.append(([float(v) for v in losses], _on_host(out), grads))
         opt.step()
         opt.zero_grad()
     return results
