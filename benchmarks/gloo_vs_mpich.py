@@ -40,20 +40,20 @@ def _calls(collective: str, nbytes: int, p: int, r: int):
     comm = MPI.COMM_WORLD
     n = nbytes // 4
     if collective == "all_reduce":
-        a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+        a, b = np.zeros(n, np.float32), np.zeros(n, np.float32)  # zeros: sums never overflow
         return (
             lambda: pb.all_reduce(a, pb.ReduceOp.SUM),
             lambda: comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM),
         )
     if collective == "broadcast":
-        a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+        a, b = np.zeros(n, np.float32), np.zeros(n, np.float32)
         return lambda: pb.broadcast(a, 0), lambda: comm.Bcast(b, 0)
     per = n // p
     if collective == "all_gather":
-        src, out, out2 = np.ones(per, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
+        src, out, out2 = np.zeros(per, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
         return lambda: pb.all_gather(out, src), lambda: comm.Allgather(src, out2)
     if collective == "reduce_scatter":
-        src, out = np.ones(n, np.float32), np.empty(per, np.float32)
+        src, out = np.zeros(n, np.float32), np.empty(per, np.float32)
         return (
             lambda: pb.reduce_scatter(out, src, pb.ReduceOp.SUM),
             lambda: comm.Reduce_scatter_block(src, out, MPI.SUM),
