@@ -17,7 +17,7 @@ from pluribus import nn
 from pluribus.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from pluribus.dtensor import plan as plan_module
 from pluribus.parallel import full_parameter, parallelize_module, transformer_plan
-from pluribus.testing import gpu_unavailable, run_ranks
+from pluribus.testing import needs_gpu, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -77,12 +77,7 @@ def _redistribute_on_cupy(mesh_shape: tuple[int, ...], chains, shapes) -> int:
     return checked
 
 
-def needs(*backends: str):
-    reason = gpu_unavailable(*backends)
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
-
-
-@needs("ucc")
+@needs_gpu("ucc")
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_redistribute_on_cupy_over_ucc_equals_numpy(world):
     shapes = [(5, 6), (3, 7), (world * 4, 8)]  # uneven (a zero-size shard at 4), even
@@ -94,7 +89,7 @@ def test_every_redistribute_on_cupy_over_ucc_equals_numpy(world):
     assert counts == [2 * len(shapes) * sum(len(c) - 1 for c in chains)] * world
 
 
-@needs("nccl")
+@needs_gpu("nccl")
 def test_every_redistribute_on_cupy_over_nccl_at_world_size_one_equals_numpy():
     counts = run_ranks(
         _redistribute_on_cupy, 1, NCCL, "processes", timeout=300,
@@ -130,13 +125,13 @@ def _block_on_cupy() -> bool:
     return True
 
 
-@needs("ucc")
+@needs_gpu("ucc")
 def test_tensor_parallel_block_on_cupy_over_ucc_equals_the_block():
     assert run_ranks(
         _block_on_cupy, 2, "ucc", "processes", timeout=300, backend_options=UCC_CUDA
     ) == [True, True]
 
 
-@needs("nccl")
+@needs_gpu("nccl")
 def test_tensor_parallel_block_on_cupy_over_nccl_at_world_size_one_equals_the_block():
     assert run_ranks(_block_on_cupy, 1, NCCL, "processes", timeout=300) == [True]

@@ -8,7 +8,7 @@ import pytest
 from fsdp_cases import MODELS, _grad, _loss, global_batch, make_optimizer, reference_train
 from pluribus import nn
 from pluribus.parallel import OffloadPolicy, fully_shard
-from pluribus.testing import gpu_unavailable, run_ranks
+from pluribus.testing import needs_gpu, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -41,7 +41,7 @@ def train_on_cupy(strategy, offload):
     return {"losses": losses, "full": model.full_state_dict(), "shards_on_host": on_host}
 
 
-@pytest.mark.skipif(gpu_unavailable("ucc") is not None, reason=gpu_unavailable("ucc") or "")
+@needs_gpu("ucc")
 @pytest.mark.parametrize("offload", [False, True])
 def test_fsdp_on_cupy_equals_one_numpy_process(offload):
     results = run_ranks(

@@ -13,17 +13,12 @@ import pluribus as pb
 import pytest
 from pluribus import nn
 from pluribus.parallel import DistributedDataParallel
-from pluribus.testing import RanksFailed, gpu_unavailable, run_ranks
+from pluribus.testing import RanksFailed, needs_gpu, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 #: Make the GPU's context before UCX starts (see the ucc plugin's ``ucc_cuda`` option).
 UCC_CUDA = {"ucc_cuda": True}
-
-
-def needs(*backends: str):
-    reason = gpu_unavailable(*backends)
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
 # -- what every rank runs (module level: spawned processes import it) -----------------------------
@@ -202,7 +197,7 @@ def _assert_same_training(results: list[dict], expected: dict) -> None:
 # -- tests ----------------------------------------------------------------------------------------
 
 
-@needs("gloo", "ucc")
+@needs_gpu("gloo", "ucc")
 def test_hybrid_group_carries_numpy_through_gloo_and_cupy_through_ucc():
     results = run_ranks(
         hybrid_job, 2, "cpu:gloo,cuda:ucc", "processes", timeout=300, backend_options=UCC_CUDA
@@ -210,14 +205,14 @@ def test_hybrid_group_carries_numpy_through_gloo_and_cupy_through_ucc():
     assert results == [{"cpu": "gloo", "cuda": "ucc"}] * 2
 
 
-@needs("gloo")
+@needs_gpu("gloo")
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["gloo-shm", "gloo-tcp"])
 def test_cupy_arrays_staged_through_the_host_on_gloo(shm):
     env = {"PLURIBUS_GPU_STAGING": "1", "PLURIBUS_GLOO_SHM": shm}
     assert run_ranks(staged_job, 2, "gloo", "processes", timeout=300, env=env) == [[3.0]] * 2
 
 
-@needs("ucc")
+@needs_gpu("ucc")
 def test_ddp_on_cupy_over_ucc_equals_one_numpy_process_on_the_whole_batch():
     world = 2
     results = run_ranks(
@@ -226,7 +221,7 @@ def test_ddp_on_cupy_over_ucc_equals_one_numpy_process_on_the_whole_batch():
     _assert_same_training(results, train_one_process_numpy(world))
 
 
-@needs("ucc")
+@needs_gpu("ucc")
 def test_gpt_under_ddp_on_cupy_over_ucc_equals_one_numpy_process_on_the_whole_batch():
     world = 2
     results = run_ranks(
@@ -240,7 +235,7 @@ def _nothing() -> None:
     return None
 
 
-@needs("nccl")
+@needs_gpu("nccl")
 def test_two_nccl_ranks_on_one_gpu_are_refused_naming_them_and_ucc():
     with pytest.raises(RanksFailed) as info:
         run_ranks(_nothing, 2, "nccl", "processes", timeout=120, backend_options={"device_id": 0})

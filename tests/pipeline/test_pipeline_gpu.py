@@ -10,17 +10,12 @@ with the reason."""
 import pytest
 from pipeline_cases import check_parity, pipeline_train_on_rank
 from pluribus.parallel import pipeline as pp
-from pluribus.testing import gpu_unavailable, run_ranks
+from pluribus.testing import needs_gpu, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
-def needs(*backends: str):
-    reason = gpu_unavailable(*backends)
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
-
-
-@needs("ucc")
+@needs_gpu("ucc")
 @pytest.mark.parametrize("name", list(pp.SCHEDULES))
 @pytest.mark.parametrize("p,m", [(2, 5), (4, 4)])
 def test_cupy_stages_over_ucc_equal_one_process(name, p, m):
@@ -31,7 +26,7 @@ def test_cupy_stages_over_ucc_equal_one_process(name, p, m):
     check_parity(results, m, name=name)
 
 
-@needs("nccl")
+@needs_gpu("nccl")
 @pytest.mark.parametrize("name", list(pp.SCHEDULES))
 def test_cupy_stages_over_nccl_at_world_size_one_equal_one_process(name):
     results = run_ranks(

@@ -7,6 +7,13 @@
 """
 
 from .harness import RankPool, RanksFailed, run_ranks
-from .plugin import gpu_unavailable, require_backend
+from .plugin import gpu_unavailable, needs_gpu, require_backend
 
-__all__ = ["RankPool", "RanksFailed", "gpu_unavailable", "require_backend", "run_ranks"]
+__all__ = [
+    "RankPool",
+    "RanksFailed",
+    "gpu_unavailable",
+    "needs_gpu",
+    "require_backend",
+    "run_ranks",
+]

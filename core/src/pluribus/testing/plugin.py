@@ -45,6 +45,13 @@ def gpu_unavailable(*backends: str) -> str | None:
     return None
 
 
+def needs_gpu(*backends: str) -> pytest.MarkDecorator:
+    """``@needs_gpu("ucc")``: skip the test, with :func:`gpu_unavailable`'s reason, where it
+    cannot run."""
+    reason = gpu_unavailable(*backends)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("pluribus", "pluribus backend conformance")
     group.addoption(
