@@ -315,9 +315,9 @@ def zero_bubble_h2(
     idles exactly ``(p - 1) max(F, F + I - 2W)`` per rank (the tests check it), against
     ZB-H1's ``(p - 1)(F + I - W)``: the same at unit costs, less whenever ``W < I``.
 
-    As for :func:`zero_bubble`, ``costs`` are the durations the order is built for: the
-    policy's order at ``costs``, at unit costs, and ZB-H1's order (which keeps within ZB-H2's
-    memory) are simulated, and the shortest step is kept.
+    As for :func:`zero_bubble`, ``costs`` are the durations the order is built for: this
+    policy's orders and ZB-H1's (which keep within ZB-H2's memory), each built at unit costs
+    and at ``costs``, are simulated with ``costs``, and the shortest step is kept.
     """
     _check_sizes("ZBH2", num_ranks, num_microbatches)
     cost = {F: 1.0, I: 1.0, W: 1.0, **(costs or {})}
@@ -327,11 +327,9 @@ def zero_bubble_h2(
 
     p, m = num_ranks, num_microbatches
     limit = [2 * p - 1] * p
-    unit = {F: 1.0, I: 1.0, W: 1.0}
-    orders = [_zero_bubble_order(p, m, unit, (limit, limit), "ZBH2")]
-    if costs is not None:
-        orders.append(_zero_bubble_order(p, m, cost, (limit, limit), "ZBH2"))
-    orders.append(_zero_bubble_order(p, m, unit, _zb_h1_limits(p), "ZBH2"))
+    built_for = [{F: 1.0, I: 1.0, W: 1.0}] + ([cost] if costs is not None else [])
+    orders = [_zero_bubble_order(p, m, c, (limit, limit), "ZBH2") for c in built_for]
+    orders += [_zero_bubble_order(p, m, c, _zb_h1_limits(p), "ZBH2") for c in built_for]
     return min(orders, key=lambda program: simulate(program, cost).step_time)  # first if tied
 
 
