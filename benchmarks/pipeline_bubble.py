@@ -4,8 +4,8 @@ prediction from the measured per-action times, and the activation ledger of each
     python benchmarks/pipeline_bubble.py --ranks 2 4 --out benchmarks/results/pipeline-<stamp>
 
 The schedules take turns, one step each, so that their k-th steps ran under the same load and
-the bubbles of ZeroBubble (ZB-H1) and ZBV (ZB-V) are compared with 1F1B's, and ZBV's with
-ZeroBubble's, step by step. For each schedule: warm-up steps, then
+the bubbles of ZeroBubble (ZB-H1), ZBH2 (ZB-H2) and ZBV (ZB-V) are compared with 1F1B's, and
+ZBH2's and ZBV's with ZeroBubble's, step by step. For each schedule: warm-up steps, then
 ``--steps`` measured steps; each step's events are gathered from every rank, its bubble
 measured (the part of the step in which a rank computes nothing, averaged over ranks) and
 simulated from that same step's action times, with one median message latency and with each
@@ -264,9 +264,15 @@ def analyse(
 
 
 #: Measured bubbles compared step by step: (numerator, denominator).
-BUBBLE_RATIOS = [("ZeroBubble", "1F1B"), ("ZBV", "1F1B"), ("ZBV", "ZeroBubble")]
+BUBBLE_RATIOS = [
+    ("ZeroBubble", "1F1B"),
+    ("ZBH2", "1F1B"),
+    ("ZBV", "1F1B"),
+    ("ZBH2", "ZeroBubble"),
+    ("ZBV", "ZeroBubble"),
+]
 #: Schedules whose activation ledger is measured at each ``--memory-m``.
-MEMORY_SCHEDULES = ["GPipe", "1F1B", "ZeroBubble", "ZBV"]
+MEMORY_SCHEDULES = ["GPipe", "1F1B", "ZeroBubble", "ZBH2", "ZBV"]
 
 
 def pairs_of(rows: dict, top: str, bottom: str):
@@ -283,7 +289,7 @@ def main() -> None:
     parser.add_argument(
         "--schedules",
         nargs="+",
-        default=["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"],
+        default=["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBH2", "ZBV"],
     )
     parser.add_argument("--m", type=int, default=0, help="micro-batches (default 2p)")
     parser.add_argument("--memory-m", type=int, nargs="*", default=[4, 8, 16])

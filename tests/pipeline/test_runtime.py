@@ -49,6 +49,7 @@ def gloo_pool():
         ("1F1B", 2, 5),
         ("Interleaved1F1B", 2, 2),
         ("ZeroBubble", 4, 9),
+        ("ZBH2", 4, 9),
         ("GPipe", 4, 1),
         ("ZBV", 2, 5),
         ("ZBV", 4, 9),
@@ -225,6 +226,7 @@ def _failing_stage(name, bad_stage, where):
     [
         ("1F1B", 1, "forward", "1F1"),
         ("ZeroBubble", 3, "weight", "3W0"),
+        ("ZBH2", 2, "weight", "2W0"),
         ("GPipe", 0, "forward", "0F1"),
     ],
 )

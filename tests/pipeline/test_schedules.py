@@ -55,10 +55,10 @@ def test_unit_cost_bubble_equals_the_closed_form(name, p, v, m):
     sim = simulate(build(name, p, m, v))
     # unit costs are small integers, so the simulated times are exact
     measured = Fraction(sum(sim.step_time - b for b in sim.busy)) / Fraction(p * sim.step_time)
-    work = {"Interleaved1F1B": v * m, "ZeroBubble": 3 * m, "ZBV": 6 * m}.get(name, m)
+    work = {"Interleaved1F1B": v * m, "ZeroBubble": 3 * m, "ZBH2": 3 * m, "ZBV": 6 * m}.get(name, m)
     expected = Fraction(p - 1, work + p - 1)
     assert abs(bubble_closed_form(name, p, m, v) - float(expected)) < 1e-15
-    if name == "ZeroBubble" and m < p:
+    if name in ("ZeroBubble", "ZBH2") and m < p:
         # too few micro-batches to fill the pipeline: better than 1F1B, not the closed form
         one_f_one_b = simulate(build("1F1B", p, m))
         assert sim.step_time <= one_f_one_b.step_time
@@ -253,3 +253,52 @@ def test_zbv_for_any_costs_is_valid_keeps_1f1b_memory_and_beats_zb_h1(p, m, f, i
         assert sim.step_time <= 2 * m * (f + i + w) + 2 * (p - 1) * (f + i - w)
     unit = simulate(build("ZBV", p, m), costs)
     assert sim.step_time <= unit.step_time  # the order built for the costs is kept if better
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    p=st.integers(1, 8),
+    m=st.integers(1, 24),
+    f=st.integers(1, 6),
+    i=st.integers(1, 6),
+    w=st.integers(1, 6),
+)
+def test_zb_h2_for_any_costs_is_valid_holds_2p_minus_1_and_never_trails_zb_h1(p, m, f, i, w):
+    costs = {"F": f, "I": i, "W": w}
+    program = build("ZBH2", p, m, costs=costs)
+    sim = simulate(program, costs)  # runs the checker
+    assert program.name == "ZBH2"
+    assert max(peak_before_weight_grad(program)) <= min(2 * p - 1, m)
+    zb_h1 = simulate(build("ZeroBubble", p, m, costs=costs), costs)
+    assert sim.step_time <= zb_h1.step_time
+    assert sim.step_time >= m * (f + i + w) + (p - 1) * f  # the last rank starts p - 1 F late
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    p=st.integers(2, 8),
+    extra=st.integers(0, 12),
+    i=st.integers(1, 6),
+    data=st.data(),
+)
+def test_zb_h2_with_w_no_longer_than_f_idles_exactly_p_minus_1_max_f_and_f_plus_i_minus_2w(
+    p, extra, i, data
+):
+    """m >= 2p and W <= F: every rank idles (p - 1) max(F, F + I - 2W), the least any step can
+    when I <= 2W, against ZB-H1's (p - 1)(F + I - W). Integer costs keep the times exact."""
+    f = data.draw(st.integers(1, 6))
+    w = data.draw(st.integers(1, f))
+    m = 2 * p + extra
+    costs = {"F": f, "I": i, "W": w}
+    sim = simulate(build("ZBH2", p, m, costs=costs), costs)
+    assert sim.step_time == m * (f + i + w) + (p - 1) * max(f, f + i - 2 * w)
+    # the order built for unit costs gets there too when W is at least half of I
+    if 2 * w >= i:
+        unit_order = simulate(build("ZBH2", p, m), costs)
+        assert unit_order.step_time == m * (f + i + w) + (p - 1) * f
+
+
+def test_zb_h2_warms_up_with_2p_minus_1_forwards_on_rank_0():
+    program = build("ZBH2", 4, 8).compute_only()
+    assert [str(a) for a in program.actions[0][:8]] == [f"0F{k}" for k in range(7)] + ["0I0"]
+    assert [str(a) for a in program.actions[3][:3]] == ["3F0", "3I0", "3F1"]

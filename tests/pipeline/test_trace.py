@@ -54,6 +54,18 @@ def test_a_zbv_run_holds_what_the_simulator_says_and_runs_its_program_in_order()
         assert ran == program.actions[rank]
 
 
+def test_a_zb_h2_run_warms_up_with_2p_minus_1_forwards_and_runs_its_program_in_order():
+    p, m = 4, 8
+    results = run_ranks(traced_step_on_rank, p, args=("ZBH2", m), timeout=60)
+    events, _, _, program = results[0]
+    run = pp.measured(events)
+    assert run.peak_in_flight == pp.simulate(program).peak_in_flight == [7, 5, 3, 1]
+    assert [r[1] for r in results] == [7, 5, 3, 1]  # the stages' own activation ledgers
+    for rank in range(p):
+        ran = [e.action for e in sorted(events, key=lambda e: e.start) if e.rank == rank]
+        assert ran == program.actions[rank]
+
+
 @pytest.mark.parametrize("m", [2, 8])
 def test_activation_ledger_1f1b_stays_at_p_while_gpipe_grows_with_m(m):
     p = 2

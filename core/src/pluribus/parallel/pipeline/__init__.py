@@ -2,7 +2,7 @@
 through them by a schedule that is plain data you can print, check and simulate before running.
 
 * :mod:`.schedules`: actions, programs and the built-in schedules (GPipe, 1F1B, interleaved
-  1F1B, ZB-H1, ZB-V) as per-rank action lists.
+  1F1B, ZB-H1, ZB-H2, ZB-V) as per-rank action lists.
 * :mod:`.checker`: proves a program completes (matched sends, no wait-for cycle).
 * :mod:`.simulator`: step time, bubble and in-flight activations from per-action costs.
 * :mod:`.stage` and :mod:`.runtime`: :class:`PipelineStage` and the schedule classes that
@@ -23,6 +23,7 @@ from .runtime import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
+    ScheduleZeroBubbleH2,
 )
 from .schedules import (
     SCHEDULES,
@@ -35,6 +36,7 @@ from .schedules import (
     with_communication,
     zbv,
     zero_bubble,
+    zero_bubble_h2,
 )
 from .simulator import UNIT_COSTS, Event, Simulation, bubble_closed_form, simulate
 from .split import (
@@ -75,6 +77,7 @@ __all__ = [
     "ScheduleInterleaved1F1B",
     "ScheduleZBVZeroBubble",
     "ScheduleZeroBubble",
+    "ScheduleZeroBubbleH2",
     "SCHEDULES",
     "UNIT_COSTS",
     "Action",
@@ -94,4 +97,5 @@ __all__ = [
     "with_communication",
     "zbv",
     "zero_bubble",
+    "zero_bubble_h2",
 ]

@@ -431,6 +431,13 @@ class ScheduleZeroBubble(PipelineSchedule):
     schedule_name = "ZeroBubble"
 
 
+class ScheduleZeroBubbleH2(PipelineSchedule):
+    """ZB-H2: ZB-H1 with up to 2p - 1 micro-batches held per rank; the deferred weight gradients
+    also fill the wait for the last input gradients (modules need split backward)."""
+
+    schedule_name = "ZBH2"
+
+
 class ScheduleZBVZeroBubble(PipelineSchedule):
     """ZB-V: two stages per rank in a V (rank r: stages r and 2p - 1 - r), split backward; about
     half ZB-H1's bubble at 1F1B's activation memory (modules need split backward)."""
@@ -451,5 +458,6 @@ SCHEDULE_CLASSES: dict[str, Callable[..., PipelineSchedule]] = {
     "1F1B": Schedule1F1B,
     "Interleaved1F1B": ScheduleInterleaved1F1B,
     "ZeroBubble": ScheduleZeroBubble,
+    "ZBH2": ScheduleZeroBubbleH2,
     "ZBV": ScheduleZBVZeroBubble,
 }

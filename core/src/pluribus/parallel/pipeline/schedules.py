@@ -283,19 +283,67 @@ def zero_bubble(
     cost = {F: 1.0, I: 1.0, W: 1.0, **(costs or {})}
     if any(cost[k] <= 0 for k in (F, I, W)):
         raise ValueError(f"ZeroBubble: costs must be positive, got {dict(costs or {})}")
-    program = _zero_bubble_order(num_ranks, num_microbatches, cost)
+    p, m = num_ranks, num_microbatches
+    program = _zero_bubble_order(p, m, cost, _zb_h1_limits(p))
     if costs is None:
         return program
     from .simulator import simulate  # the simulator imports this module
 
-    unit_order = _zero_bubble_order(num_ranks, num_microbatches, {F: 1.0, I: 1.0, W: 1.0})
+    unit_order = _zero_bubble_order(p, m, {F: 1.0, I: 1.0, W: 1.0}, _zb_h1_limits(p))
     if simulate(unit_order, cost).step_time < simulate(program, cost).step_time:
         return unit_order
     return program
 
 
-def _zero_bubble_order(p: int, m: int, cost: Mapping[str, float]) -> Program:
-    """ZB-H1's policy (see :func:`zero_bubble`) run on a clock with durations ``cost``."""
+def _zb_h1_limits(p: int) -> tuple[list[int], list[int]]:
+    """ZB-H1's memory per rank: micro-batches between forward and ``I``, and forward and ``W``."""
+    return [p - r for r in range(p)], [2 * p - r - 1 for r in range(p)]
+
+
+def zero_bubble_h2(
+    num_ranks: int, num_microbatches: int, costs: Mapping[str, float] | None = None
+) -> Program:
+    """ZB-H2 (Qi et al., 2023): ZB-H1's policy with more memory, every rank holding up to
+    ``2p - 1`` micro-batches between forward and ``W`` (1F1B's rank 0 holds ``p``). Rank 0
+    then runs ``2p - 1`` forwards before its first input gradient, and the deferred weight
+    gradients fill the wait for the last input gradients, which ZB-H1 cannot when ``W`` is
+    shorter than ``I``.
+
+    Within one step the last rank cannot start before ``p - 1`` forwards, so no order idles
+    less than ``(p - 1) F`` per rank; the paper's zero bubble needs steps that overlap (its
+    optimizer post-validation). With ``W`` no longer than ``F`` and ``m >= 2p`` this order
+    idles exactly ``(p - 1) max(F, F + I - 2W)`` per rank (the tests check it), against
+    ZB-H1's ``(p - 1)(F + I - W)``: the same at unit costs, less whenever ``W < I``.
+
+    As for :func:`zero_bubble`, ``costs`` are the durations the order is built for: this
+    policy's orders and ZB-H1's (which keep within ZB-H2's memory), each built at unit costs
+    and at ``costs``, are simulated with ``costs``, and the shortest step is kept.
+    """
+    _check_sizes("ZBH2", num_ranks, num_microbatches)
+    cost = {F: 1.0, I: 1.0, W: 1.0, **(costs or {})}
+    if any(cost[k] <= 0 for k in (F, I, W)):
+        raise ValueError(f"ZBH2: costs must be positive, got {dict(costs or {})}")
+    from .simulator import simulate  # the simulator imports this module
+
+    p, m = num_ranks, num_microbatches
+    limit = [2 * p - 1] * p
+    built_for = [{F: 1.0, I: 1.0, W: 1.0}] + ([cost] if costs is not None else [])
+    orders = [_zero_bubble_order(p, m, c, (limit, limit), "ZBH2") for c in built_for]
+    orders += [_zero_bubble_order(p, m, c, _zb_h1_limits(p), "ZBH2") for c in built_for]
+    return min(orders, key=lambda program: simulate(program, cost).step_time)  # first if tied
+
+
+def _zero_bubble_order(
+    p: int,
+    m: int,
+    cost: Mapping[str, float],
+    limits: tuple[Sequence[int], Sequence[int]],
+    name: str = "ZeroBubble",
+) -> Program:
+    """ZB-H1's policy (see :func:`zero_bubble`) run on a clock with durations ``cost``;
+    ``limits``: per rank, the most micro-batches between forward and ``I``, and between
+    forward and ``W``."""
+    before_i_limit, before_w_limit = limits
     never = float("inf")
     lists: list[list[Action]] = [[] for _ in range(p)]
     f_end = [[never] * m for _ in range(p)]  # when each forward ends
@@ -318,8 +366,8 @@ def _zero_bubble_order(p: int, m: int, cost: Mapping[str, float]) -> Program:
             pending_w[r].append(mb)
         elif (
             mb_f < m
-            and before_i[r] < p - r
-            and before_w[r] < 2 * p - r - 1
+            and before_i[r] < before_i_limit[r]
+            and before_w[r] < before_w_limit[r]
             and (r == 0 or f_end[r - 1][mb_f] <= t)
         ):
             kind, mb = F, mb_f
@@ -337,8 +385,8 @@ def _zero_bubble_order(p: int, m: int, cost: Mapping[str, float]) -> Program:
         done[r] = len(lists[r]) == 3 * m
         return True
 
-    _run_clock(act, clock, done, (f_end, i_end), f"ZeroBubble (p={p}, m={m})")
-    return with_communication(Program("ZeroBubble", m, tuple(range(p)), lists))
+    _run_clock(act, clock, done, (f_end, i_end), f"{name} (p={p}, m={m})")
+    return with_communication(Program(name, m, tuple(range(p)), lists))
 
 
 def _run_clock(act, clock: list[float], done: list[bool], ends, what: str) -> None:
@@ -515,6 +563,7 @@ SCHEDULES = {
     "1F1B": one_f_one_b,
     "Interleaved1F1B": interleaved_1f1b,
     "ZeroBubble": zero_bubble,
+    "ZBH2": zero_bubble_h2,
     "ZBV": zbv,
 }
 
@@ -526,8 +575,8 @@ def build(
     stages_per_rank: int = 1,
     costs: Mapping[str, float] | None = None,
 ) -> Program:
-    """The built-in schedule ``name`` as a program (``costs``: ZeroBubble's and ZBV's, see
-    there). ``stages_per_rank`` is Interleaved1F1B's ``v``; ZBV always takes 2."""
+    """The built-in schedule ``name`` as a program (``costs``: ZeroBubble's, ZBH2's and ZBV's,
+    see there). ``stages_per_rank`` is Interleaved1F1B's ``v``; ZBV always takes 2."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
     if name == "Interleaved1F1B":
@@ -538,6 +587,6 @@ def build(
         return zbv(num_ranks, num_microbatches, costs)
     if stages_per_rank != 1:
         raise ValueError(f"{name} runs one stage per rank; use Interleaved1F1B for more")
-    if name == "ZeroBubble":
-        return zero_bubble(num_ranks, num_microbatches, costs)
+    if name in ("ZeroBubble", "ZBH2"):
+        return SCHEDULES[name](num_ranks, num_microbatches, costs)
     return SCHEDULES[name](num_ranks, num_microbatches)

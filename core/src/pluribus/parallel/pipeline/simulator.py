@@ -117,14 +117,15 @@ def bubble_closed_form(
     name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1
 ) -> float:
     """The textbook bubble fraction at unit costs (F = I = W = 1, B = 2): ``(p-1)/(m+p-1)`` for
-    GPipe and 1F1B, ``(p-1)/(v m+p-1)`` for interleaved 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H1, and
-    ``(p-1)/(6m+p-1)`` for ZB-V (``2p`` stages; ``m >= 2p - 1``)."""
+    GPipe and 1F1B, ``(p-1)/(v m+p-1)`` for interleaved 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H1 and ZB-H2
+    (whose gain needs ``W < I``), and ``(p-1)/(6m+p-1)`` for ZB-V (``2p`` stages;
+    ``m >= 2p - 1``)."""
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     if name in ("GPipe", "1F1B"):
         return (p - 1) / (m + p - 1)
     if name == "Interleaved1F1B":
         return (p - 1) / (v * m + p - 1)
-    if name == "ZeroBubble":
+    if name in ("ZeroBubble", "ZBH2"):
         return (p - 1) / (3 * m + p - 1)
     if name == "ZBV":
         return (p - 1) / (6 * m + p - 1)
