@@ -507,8 +507,15 @@ def all_reduce(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    out: Any = None,
 ) -> Work | None:
-    """Reduce ``array`` across the group, in place on every rank."""
+    """Reduce ``array`` across the group, in place on every rank; or, with ``out``, into
+    ``out`` (same shape, dtype and device, contiguous, not overlapping ``array``), leaving
+    ``array`` unchanged, as MPI's ``Allreduce(sendbuf, recvbuf)``. Each rank may choose either
+    form for the same collective."""
+    if out is not None:
+        return _all_reduce_into(array, out, op, group, async_op)
     if not async_op:
         # The call whose fixed cost users time against raw MPI. A synchronous call with the
         # array type, dtype and op of the group's last checked one (under the same plugins)
@@ -547,6 +554,35 @@ def all_reduce(
 
 
 _ALL_REDUCE = OPERATIONS["all_reduce"]
+
+
+def _all_reduce_into(
+    array: Any, out: Any, op: ReduceOp, group: ProcessGroup | None, async_op: bool
+) -> Work | None:
+    g = _group(group)
+    r = g.global_rank
+    check_array(array, "array", r, writable=False)
+    _check_same(array, out, "out", r)
+    device = _check_reduction(g, out, op, "out")
+    if out.shape != array.shape:
+        raise ValueError(
+            f"rank {r}: all_reduce out has shape {out.shape}, the input {array.shape}; "
+            "they must be equal"
+        )
+    if _overlap(array, out):
+        raise ValueError(
+            f"rank {r}: all_reduce out overlaps the input array; pass a separate output array, "
+            "or no out to reduce in place"
+        )
+    return _issue(g, "all_reduce_into", device, async_op, array, out, op)
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two contiguous arrays share any byte."""
+    if isinstance(a, np.ndarray):
+        return a.size > 0 and b.size > 0 and np.may_share_memory(a, b)
+    start_a, start_b = a.data.ptr, b.data.ptr  # cupy
+    return bool(a.size and b.size and start_a < start_b + b.nbytes and start_b < start_a + a.nbytes)
 
 
 def broadcast(
