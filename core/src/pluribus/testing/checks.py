@@ -607,6 +607,7 @@ def _round(group, rank: int, size: int) -> None:
     for async_op in (False, True):
         works = [
             pb.all_reduce(xp.ones(n), group=group, async_op=async_op),
+            pb.all_reduce(xp.ones(n), group=group, async_op=async_op, out=xp.zeros(n)),
             pb.broadcast(xp.ones(n), 0, group=group, async_op=async_op),
             pb.reduce(xp.ones(n), 0, group=group, async_op=async_op),
             pb.all_gather(xp.zeros(n * size), xp.ones(n), group=group, async_op=async_op),
