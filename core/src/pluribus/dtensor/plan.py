@@ -31,13 +31,11 @@ _ORDER = {
 
 @dataclass(frozen=True)
 class CostModel:
-    """``alpha`` seconds per message, ``beta`` seconds per byte (ring algorithms), ``copy`` seconds
-    per byte copied locally. The defaults are gloo's over loopback TCP on the machines of
-    BENCHMARKS.md, to within a factor of two."""
+    """``alpha`` seconds per message, ``beta`` seconds per byte (ring algorithms). The defaults
+    are gloo's over loopback TCP on the machines of BENCHMARKS.md, to within a factor of two."""
 
     alpha: float = 30e-6
     beta: float = 1 / 1.5e9
-    copy: float = 1 / 4e9
 
 
 DEFAULT_COST = CostModel()
