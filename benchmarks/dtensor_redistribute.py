@@ -87,7 +87,7 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
         # the same, against the hand-written call that also leaves its input intact
         "all_reduce vs out=": (
             lambda: partial.redistribute(placements=[Replicate()]),
-            lambda: pb.all_reduce(term, out=np.empty_like(term)),
+            lambda: pb.all_reduce(term, out=xp.empty_like(term)),
         ),
         "all_reduce, donate": (
             lambda: DTensor(buffer, mesh, partial.layout).redistribute(
