@@ -85,9 +85,9 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
             lambda: pb.all_reduce(buffer),
         ),
         # the same, against the hand-written call that also leaves its input intact
-        "all_reduce vs copy": (
+        "all_reduce vs out=": (
             lambda: partial.redistribute(placements=[Replicate()]),
-            lambda: pb.all_reduce(term.copy()),
+            lambda: pb.all_reduce(term, out=xp.empty_like(term)),
         ),
         "all_reduce, donate": (
             lambda: DTensor(buffer, mesh, partial.layout).redistribute(
@@ -137,31 +137,29 @@ def _collectives(seconds: float, ops: list[str] | None, device: str = "cpu"):
     return out
 
 
-def _split_sweep(seconds: float):
-    """Partial -> Replicate without donating, both ways, against the in-place all-reduce by
-    hand, from 16 KiB to 16 MiB: where the copy costs more than a second collective."""
+def _out_of_place_sweep(seconds: float):
+    """Partial -> Replicate without donating (one all-reduce into a new array) against the
+    all-reduce by hand, in place on a kept buffer and into a new array, 16 KiB to 16 MiB."""
     import pluribus as pb
     from pluribus.dtensor import Partial, Replicate, distribute_tensor, init_device_mesh
-    from pluribus.dtensor import plan as plan_module
 
-    default = plan_module.SPLIT_ALL_REDUCE_BYTES
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
     out = []
     for kib in (16, 64, 128, 256, 512, 1024, 4096, 16384):
         whole = np.zeros((kib, 256), np.float32)
         buffer = whole.copy()
-        fns = {"by hand": lambda buffer=buffer: pb.all_reduce(buffer)}
-        for way, split_at in (("copy", 1 << 62), ("split", 0)):
-            plan_module.SPLIT_ALL_REDUCE_BYTES = split_at
-            # a mesh of its own: plans are cached per mesh
-            mesh = init_device_mesh("cpu", (pb.get_world_size(),))
-            x = distribute_tensor(whole, mesh, [Partial()])
-            assert x.redistribute_plan([Replicate()]).steps[0].how == way
-            fns[way] = lambda x=x: x.redistribute(placements=[Replicate()])
-        plan_module.SPLIT_ALL_REDUCE_BYTES = default
+        x = distribute_tensor(whole, mesh, [Partial()])
+        term = x.to_local()
+        fns = {
+            "redistribute": lambda x=x: x.redistribute(placements=[Replicate()]),
+            "in place": lambda buffer=buffer: pb.all_reduce(buffer),
+            "out=": lambda term=term: pb.all_reduce(term, out=np.empty_like(term)),
+        }
         times = _rounds(fns, seconds)
         ratios = {}
-        for way in ("copy", "split"):
-            ratios[way] = _rounds({way: fns[way], "by hand": fns["by hand"]}, seconds)["ratio"]
+        for way in ("in place", "out="):
+            pair = {"redistribute": fns["redistribute"], way: fns[way]}
+            ratios[way] = _rounds(pair, seconds)["ratio"]
         out.append((kib, times, ratios))
     return out
 
@@ -259,14 +257,15 @@ def main() -> None:
                 )
     if "sweep" in run:
         for p in [int(s) for s in args.ranks.split(",")]:
-            rows = run_ranks(_split_sweep, p, backend="gloo", env=ENV, timeout=600,
+            rows = run_ranks(_out_of_place_sweep, p, backend="gloo", env=ENV, timeout=600,
                              args=(args.seconds / 4,))[0]  # fmt: skip
             for kib, t, ratios in rows:
                 print(
-                    f"gloo {p} ranks  Partial->Replicate {kib:>6} KiB  by hand "
-                    f"{t['by hand'][0] * 1e6:8.1f} us  copy + all_reduce {t['copy'][0] * 1e6:8.1f}"
-                    f" us  reduce_scatter + all_gather {t['split'][0] * 1e6:8.1f} us  median "
-                    f"ratio to by hand: copy {ratios['copy']:.3f}, split {ratios['split']:.3f}"
+                    f"gloo {p} ranks  Partial->Replicate {kib:>6} KiB  redistribute "
+                    f"{t['redistribute'][0] * 1e6:8.1f} us  all_reduce by hand in place "
+                    f"{t['in place'][0] * 1e6:8.1f} us, out= {t['out='][0] * 1e6:8.1f} us  "
+                    f"median ratio to by hand: in place {ratios['in place']:.3f}, "
+                    f"out= {ratios['out=']:.3f}"
                 )
     if "mlp" in run:
         times = {}

@@ -41,6 +41,11 @@ class CountingPlugin:
         return (yield)
 
     @hookimpl(wrapper=True)
+    def pluribus_all_reduce_into(self, group, array, output, op, async_op):
+        self._record(group, "all_reduce_into", array.nbytes, output.nbytes)
+        return (yield)
+
+    @hookimpl(wrapper=True)
     def pluribus_all_gather(self, group, outputs, array, async_op):
         self._record(group, "all_gather", array.nbytes, _nbytes(outputs))
         return (yield)

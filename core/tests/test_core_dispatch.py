@@ -114,6 +114,66 @@ def test_async_calls_use_the_backends_start_and_sync_calls_its_blocking_path():
 
 
 @pytest.mark.timeout(60)
+def test_async_out_of_place_on_a_backend_without_it_starts_the_in_place_form_on_out():
+    """The core copies the input into ``out`` and asks the backend's start for "all_reduce" on
+    ``out``: a start that knows only its own operations never sees "all_reduce_into"."""
+    import sys
+
+    manager = pb.get_plugin_manager()
+    manager.register(sys.modules[__name__], name="test-started")
+    registry = pb.plugins.registry()
+    registry.specs = None
+    Started.started = []
+    try:
+
+        def body():
+            x, out = np.ones(3), np.zeros(3)
+            work = pb.all_reduce(x, async_op=True, out=out)
+            assert work.result() == "native"
+            y, out_sync = np.ones(3), np.zeros(3)
+            pb.all_reduce(y, out=out_sync)  # copy, then the generic algorithm on out
+            return x.tolist(), out.tolist(), y.tolist(), out_sync.tolist()
+
+        got = run_ranks(body, 2, backend="started", mode="threads")
+        assert got == [([1.0] * 3, [2.0] * 3, [1.0] * 3, [2.0] * 3)] * 2
+    finally:
+        manager.unregister(name="test-started")
+        registry.specs = None
+        pb.plugins._probe_cache.pop("started", None)
+    assert Started.started == ["all_reduce", "all_reduce"]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_may_mix_in_place_and_out_of_place_under_the_mismatch_detector(monkeypatch):
+    """Both forms meet each other (the same messages), so PLURIBUS_DEBUG=DETAIL lets ranks mix
+    them, and still names a real mismatch between them."""
+    from pluribus.errors import CollectiveMismatchError
+
+    monkeypatch.setenv("PLURIBUS_DEBUG", "DETAIL")
+
+    def body():
+        rank = pb.get_rank()
+        x, out = np.full(4, rank + 1.0), np.zeros(4)
+        pb.all_reduce(x, out=out) if rank else pb.all_reduce(x)
+        mixed = (out if rank else x).tolist()
+        with pytest.raises(CollectiveMismatchError, match="all_reduce") as info:
+            if rank:
+                pb.all_reduce(np.ones(5), out=np.zeros(5))
+            else:
+                pb.all_reduce(np.ones(4))
+        return mixed, "shape=(5,)" in str(info.value) and "shape=(4,)" in str(info.value)
+
+    try:
+        assert run_ranks(body, 2) == [([3.0] * 4, True)] * 2
+    finally:
+        monkeypatch.delenv("PLURIBUS_DEBUG")
+        from pluribus.debug import detail
+
+        detail.detector.enabled = detail.enabled_by_env()
+        detail.set_registered(detail.detector, "debug-detail-calls", detail.detector.enabled)
+
+
+@pytest.mark.timeout(60)
 def test_checks_still_run_on_every_call_after_the_first():
     def body():
         pb.all_reduce(np.ones(8))  # caches float64 SUM on the default group
@@ -130,6 +190,14 @@ def test_checks_still_run_on_every_call_after_the_first():
         read_only.flags.writeable = False
         with pytest.raises(ValueError, match="read-only"):
             pb.all_reduce(read_only)
+        x = np.ones(8)
+        pb.all_reduce(x, out=np.empty(8))  # caches float64 SUM for out= too
+        for bad in (x, x[:4], np.empty(9), np.empty(8, np.float32), read_only, np.empty(16)[::2]):
+            with pytest.raises((ValueError, TypeError), match=f"rank {pb.get_rank()}"):
+                pb.all_reduce(x, out=bad)
+        whole = np.zeros(12)
+        with pytest.raises(ValueError, match="overlaps"):
+            pb.all_reduce(whole[:8], out=whole[4:])
         return errors
 
     for errors in run_ranks(body, 2):
@@ -157,6 +225,7 @@ def test_the_flight_recorder_records_synchronous_calls_and_their_failures(monkey
         pb.broadcast(x, src=0)
         pb.all_reduce(x, pb.ReduceOp.MAX)
         pb.all_reduce(x, pb.ReduceOp.MAX)  # the public all_reduce's cached shortcut
+        pb.all_reduce(x, pb.ReduceOp.MAX, out=np.empty_like(x))  # the same shortcut, out=
         manager.register(Failing(), name=f"test-failing-{rank}")
         try:
             with pytest.raises(RuntimeError, match="wire cut"):
@@ -174,12 +243,14 @@ def test_the_flight_recorder_records_synchronous_calls_and_their_failures(monkey
         ("broadcast", 1, "completed"),
         ("all_reduce", 2, "completed"),
         ("all_reduce", 3, "completed"),
-        ("all_reduce", 4, "failed"),
+        ("all_reduce_into", 4, "completed"),
+        ("all_reduce", 5, "failed"),
     ]
     assert entries[2]["shape"] == [2, 3] and entries[2]["dtype"] == "float32"
     assert entries[2]["reduce_op"] == "max" and entries[2]["bytes"] == 24
+    assert entries[3]["shape"] == [2, 3] and entries[3]["reduce_op"] == "max"
     assert entries[0]["root"] == 0
-    assert "RuntimeError: wire cut on rank 0" in entries[3]["error"]
+    assert "RuntimeError: wire cut on rank 0" in entries[4]["error"]
     wrappers = [i for i in manager.hook.pluribus_all_reduce.get_hookimpls() if i.wrapper]
     assert not wrappers, "the recorder is the core's, not a hook wrapper"
 

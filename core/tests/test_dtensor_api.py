@@ -17,7 +17,6 @@ from pluribus.dtensor import (
     init_device_mesh,
     redistribute_plan,
 )
-from pluribus.dtensor.plan import SPLIT_ALL_REDUCE_BYTES
 from pluribus.testing import RanksFailed, run_ranks
 
 
@@ -100,9 +99,11 @@ def _plan_body():
     np.testing.assert_array_equal(y.to_local(), np.zeros((8, 4), np.float32))
     ones = distribute_tensor(np.ones(4), mesh, [Partial(), Replicate()])
     piece = ones.to_local()
-    assert ones.redistribute_plan([Replicate(), Replicate()]).steps[0].how == "copy"
+    kept = ones.redistribute_plan([Replicate(), Replicate()])
+    assert kept.steps[0].how == "out of place" and kept.collectives == ["all_reduce_into"]
     donated = ones.redistribute_plan([Replicate(), Replicate()], donate=True)
-    assert donated.steps[0].how == "in place" and "copy" not in str(donated)
+    assert donated.steps[0].how == "in place" and "out of place" not in str(donated)
+    assert donated.collectives == ["all_reduce"]
     summed = ones.redistribute(placements=[Replicate(), Replicate()], donate=True)
     assert summed.to_local() is piece  # reduced in place: no copy
     np.testing.assert_array_equal(piece, np.ones(4))
@@ -207,11 +208,12 @@ def _uneven_on_a_real_backend():
     start = [0, 3, 3][pb.get_rank()]
     y = DTensor.from_local(reference[start : start + rows], mesh, [Shard(0)])
     np.testing.assert_array_equal(y.redistribute(placements=[Shard(1)]).full_tensor(), reference)
-    # large enough to reduce-scatter into the new array and all-gather there (no copy), uneven
-    n = SPLIT_ALL_REDUCE_BYTES // 4 + 1
+    # large enough for gloo's reduce-scatter + all-gather rounds (chunks uneven over 3 ranks),
+    # reduced out of place into the new array
+    n = (1 << 20) // 4 + 1
     term = np.arange(n, dtype=np.float32) * (pb.get_rank() + 1)
     z = DTensor.from_local(term.copy(), mesh, [Partial()])
-    assert z.redistribute_plan([Replicate()]).collectives == ["reduce_scatter", "all_gather"]
+    assert z.redistribute_plan([Replicate()]).collectives == ["all_reduce_into"]
     total = z.redistribute(placements=[Replicate()])
     np.testing.assert_array_equal(total.to_local(), np.arange(n, dtype=np.float32) * 6)
     np.testing.assert_array_equal(z.to_local(), term)  # the source is left as it was

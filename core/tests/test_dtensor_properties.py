@@ -22,7 +22,6 @@ from pluribus.dtensor import (
     init_device_mesh,
     split_sizes,
 )
-from pluribus.dtensor import plan as plan_module
 from pluribus.testing import run_ranks
 
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (3, 2), (1, 4), (2, 4), (2, 2, 2), (1, 2, 3)]
@@ -62,9 +61,7 @@ def cases(draw):
     shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3)))
     chain = draw(st.lists(placements(len(mesh), len(shape)), min_size=2, max_size=4))
     donate = draw(st.lists(st.booleans(), min_size=len(chain), max_size=len(chain)))
-    # 0: every Partial->Replicate that may not write its source is a reduce-scatter + all-gather
-    split_at = draw(st.sampled_from([0, plan_module.SPLIT_ALL_REDUCE_BYTES]))
-    return mesh, shape, chain, donate, split_at, draw(st.integers(0, 2**16))
+    return mesh, shape, chain, donate, draw(st.integers(0, 2**16))
 
 
 def _noisy(dt: DTensor, seed: int) -> DTensor:
@@ -133,15 +130,10 @@ def _check_chain(mesh_shape, shape, chain, donate, seed, counting):
 )
 @given(cases())
 def test_redistribute_chains_match_numpy_and_issue_exactly_the_plan(counting, case):
-    mesh_shape, shape, chain, donate, split_at, seed = case
+    mesh_shape, shape, chain, donate, seed = case
     world = math.prod(mesh_shape)
-    default, plan_module.SPLIT_ALL_REDUCE_BYTES = plan_module.SPLIT_ALL_REDUCE_BYTES, split_at
-    try:
-        args = (mesh_shape, shape, chain, donate, seed, counting)
-        got = run_ranks(_check_chain, world, args=args)
-    finally:
-        plan_module.SPLIT_ALL_REDUCE_BYTES = default
-    assert got == [True] * world
+    args = (mesh_shape, shape, chain, donate, seed, counting)
+    assert run_ranks(_check_chain, world, args=args) == [True] * world
 
 
 def _check_ops(mesh_shape, shape, pa, pb_, seed):

@@ -37,7 +37,8 @@ def _block_parity(fused: bool, counting: CountingPlugin | None):
     gx = block.backward(grad)
     if counting:
         issued = [c[0] for c in counting.since(pb.get_rank(), mark)]
-        assert issued == ["all_reduce"] * 4, issued  # mlp and attention, forward and backward
+        # mlp and attention, forward and backward, each leaving its partial sums as they were
+        assert issued == ["all_reduce_into"] * 4, issued
     np.testing.assert_allclose(y, want_y, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(gx, want_gx, rtol=1e-10, atol=1e-12)
     shapes = {}
@@ -190,7 +191,9 @@ def _gpt_sequence_parallel(counting: CountingPlugin):
     np.testing.assert_allclose(model.forward(idx), want, rtol=1e-10, atol=1e-12)
     model.backward(grad)
     kinds = [c[0] for c in counting.since(pb.get_rank(), mark)]
-    assert "all_reduce" in kinds and "reduce_scatter" in kinds  # the norms' gradients; the blocks
+    assert (
+        "all_reduce_into" in kinds and "reduce_scatter" in kinds
+    )  # the norms' gradients; the blocks
     for (name, p), (_, q) in zip(
         model.named_parameters(), reference.named_parameters(), strict=True
     ):

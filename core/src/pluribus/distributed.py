@@ -507,8 +507,15 @@ def all_reduce(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    out: Any = None,
 ) -> Work | None:
-    """Reduce ``array`` across the group, in place on every rank."""
+    """Reduce ``array`` across the group, in place on every rank; or, with ``out``, into
+    ``out`` (same shape, dtype and device, contiguous, not overlapping ``array``), leaving
+    ``array`` unchanged, as MPI's ``Allreduce(sendbuf, recvbuf)``. Each rank may choose either
+    form for the same collective."""
+    if out is not None:
+        return _all_reduce_into(array, out, op, group, async_op)
     if not async_op:
         # The call whose fixed cost users time against raw MPI. A synchronous call with the
         # array type, dtype and op of the group's last checked one (under the same plugins)
@@ -517,12 +524,13 @@ def all_reduce(
         # another combination) takes the checked path below.
         g = group if group is not None else _process_group if not _thread_worlds else None
         try:
-            kind, dtype, last_op, generation, direct = g.fast_all_reduce
+            kind, dtype, last_op, generation, direct, _ = g.fast_all_reduce
             if (
                 type(array) is kind
                 and array.dtype is dtype
                 and op is last_op
                 and generation == plugins.generation
+                and direct is not None
             ):
                 flags = array.flags
                 if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
@@ -538,7 +546,8 @@ def all_reduce(
     if not async_op:
         direct = g.direct("all_reduce", device)
         if direct is not None:
-            g.fast_all_reduce = (type(array), array.dtype, op, plugins.generation, direct)
+            into = g.direct("all_reduce_into", device)
+            g.fast_all_reduce = (type(array), array.dtype, op, plugins.generation, direct, into)
             if flight_recorder.recorder.enabled:
                 return flight_recorder.recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
             direct(array, op)
@@ -547,6 +556,72 @@ def all_reduce(
 
 
 _ALL_REDUCE = OPERATIONS["all_reduce"]
+
+
+def _all_reduce_into(
+    array: Any, out: Any, op: ReduceOp, group: ProcessGroup | None, async_op: bool
+) -> Work | None:
+    if not async_op:  # the shortcut of the in-place form, with the checks out= adds
+        g = group if group is not None else _process_group if not _thread_worlds else None
+        try:
+            kind, dtype, last_op, generation, _, direct = g.fast_all_reduce
+            if (
+                type(array) is kind
+                and type(out) is kind
+                and array.dtype is dtype
+                and out.dtype is dtype
+                and op is last_op
+                and generation == plugins.generation
+                and direct is not None
+                and out.shape == array.shape
+            ):
+                flags = out.flags
+                if (
+                    flags.c_contiguous
+                    and getattr(flags, "writeable", True)  # cupy has none
+                    and array.flags.c_contiguous
+                    and not _overlap(array, out)
+                ):
+                    args = (array, out, op)
+                    if flight_recorder.recorder.enabled:
+                        flight_recorder.recorder.record(g, _ALL_REDUCE_INTO, args, False, direct)
+                    else:
+                        direct(array, out, op)
+                    return None
+        except (AttributeError, TypeError):  # no group here, or no shortcut: checked below
+            pass
+    g = _group(group)
+    r = g.global_rank
+    check_array(array, "array", r, writable=False)
+    _check_same(array, out, "out", r)
+    device = _check_reduction(g, out, op, "out")
+    if out.shape != array.shape:
+        raise ValueError(
+            f"rank {r}: all_reduce out has shape {out.shape}, the input {array.shape}; "
+            "they must be equal"
+        )
+    if _overlap(array, out):
+        raise ValueError(
+            f"rank {r}: all_reduce out overlaps the input array; pass a separate output array, "
+            "or no out to reduce in place"
+        )
+    if not async_op:
+        direct = g.direct("all_reduce_into", device)
+        if direct is not None:
+            in_place = g.direct("all_reduce", device)
+            g.fast_all_reduce = (type(out), out.dtype, op, plugins.generation, in_place, direct)
+    return _issue(g, "all_reduce_into", device, async_op, array, out, op)
+
+
+_ALL_REDUCE_INTO = OPERATIONS["all_reduce_into"]
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two contiguous arrays share any byte."""
+    if isinstance(a, np.ndarray):
+        return a.size > 0 and b.size > 0 and np.may_share_memory(a, b)
+    start_a, start_b = a.data.ptr, b.data.ptr  # cupy
+    return bool(a.size and b.size and start_a < start_b + b.nbytes and start_b < start_a + a.nbytes)
 
 
 def broadcast(

@@ -60,9 +60,10 @@ class ProcessGroup:
         #: (array type, dtype, id(op)) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
         #: The public all_reduce's shortcut: (array type, dtype, op, plugin generation, the
-        #: direct function) of the last synchronous call checked, or None. Cleared on a failure
-        #: and on close, so that those calls take the path that raises.
-        self.fast_all_reduce: tuple[Any, Any, Any, int, Callable[..., None]] | None = None
+        #: direct functions of the in-place and the out-of-place form, either None where a
+        #: plugin must see the calls) of the last synchronous call checked, or None. Cleared on
+        #: a failure and on close, so that those calls take the path that raises.
+        self.fast_all_reduce: tuple[Any, Any, Any, int, Any, Any] | None = None
         self._direct: dict[tuple[str, str], Callable[..., None] | None] = {}
         self._direct_generation = -1
         #: Whether the core watches this group's calls (see ``Backend.detects_failures`` and

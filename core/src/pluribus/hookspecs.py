@@ -151,6 +151,23 @@ def pluribus_all_reduce(group: ProcessGroup, array: Any, op: ReduceOp, async_op:
 
 
 @hookspec(firstresult=True)
+def pluribus_all_reduce_into(
+    group: ProcessGroup, array: Any, output: Any, op: ReduceOp, async_op: bool
+) -> Work:
+    """Reduce ``array`` across the group into ``output``, leaving ``array`` as it was
+    (``pluribus.all_reduce(array, out=output)``). Other ranks may call the in-place form for
+    the same collective: the messages are the same.
+
+    Example, the byte counter above for both forms::
+
+        @hookimpl(wrapper=True)
+        def pluribus_all_reduce_into(group, array, output, op, async_op):
+            stats["all_reduce_bytes"] += array.nbytes
+            return (yield)
+    """
+
+
+@hookspec(firstresult=True)
 def pluribus_broadcast(group: ProcessGroup, array: Any, src: int, async_op: bool) -> Work:
     """Copy ``array`` of rank ``src`` into ``array`` on every rank.
 

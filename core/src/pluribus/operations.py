@@ -21,7 +21,9 @@ class Operation:
     ``key`` is the argument whose array decides the device and dtype (for a list, its first
     array; None for barrier); ``written`` are the arguments the operation writes; ``counted`` is
     the argument whose bytes are the call's size in traces and benchmarks; ``collective`` is
-    False for point-to-point operations, which only two ranks call.
+    False for point-to-point operations, which only two ranks call. ``meets`` names the
+    operation whose calls this one's meet on other ranks (the same messages, so each rank may
+    call either; the mismatch checks compare that name): itself unless given.
     """
 
     name: str
@@ -30,6 +32,7 @@ class Operation:
     written: tuple[str, ...] = ()
     counted: str | None = None
     collective: bool = True
+    meets: str = ""
     key_index: int | None = field(init=False, repr=False)
     key_in_list: bool = field(init=False, repr=False)
     written_indices: tuple[int, ...] = field(init=False, repr=False)
@@ -39,6 +42,8 @@ class Operation:
         object.__setattr__(self, "key_index", key_index)
         object.__setattr__(self, "key_in_list", self.key in LIST_ARGUMENTS)
         object.__setattr__(self, "written_indices", tuple(self.args.index(a) for a in self.written))
+        if not self.meets:
+            object.__setattr__(self, "meets", self.name)
 
     @property
     def hook_name(self) -> str:
@@ -63,6 +68,11 @@ OPERATIONS: dict[str, Operation] = {
     op.name: op
     for op in (
         Operation("all_reduce", ("array", "op"), "array", ("array",)),
+        # all_reduce(array, out=output): ``array`` is only read; ranks may mix it with the
+        # in-place form.
+        Operation(
+            "all_reduce_into", ("array", "output", "op"), "array", ("output",), meets="all_reduce"
+        ),
         Operation("broadcast", ("array", "src"), "array", ("array",)),
         Operation("reduce", ("array", "dst", "op"), "array", ("array",)),
         Operation("all_gather", ("outputs", "array"), "array", ("outputs",)),

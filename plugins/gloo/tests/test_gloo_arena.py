@@ -118,7 +118,9 @@ def _announce(a, kind, count):
 def test_arena_algorithms_match_numpy(size, n, half, one_shot, calls):
     """Back-to-back all-reduces, reduce-scatters (uneven), all-gathers (uneven) and broadcasts,
     with rounds much smaller than the arrays, give numpy's answer on every rank, and every
-    rank's all-reduce is bit-identical (the same sums in the same order)."""
+    rank's all-reduce is bit-identical (the same sums in the same order), whether the rank
+    reduced in place or into another array (which ranks do which alternates; an out-of-place
+    rank's input stays as it was)."""
     arenas = _thread_arenas(size, half)
     rng = np.random.default_rng(n)
     inputs = rng.standard_normal((calls, size, n)).astype(np.float32)
@@ -130,7 +132,13 @@ def test_arena_algorithms_match_numpy(size, n, half, one_shot, calls):
         for c in range(calls):
             x = inputs[c, r].copy()
             _announce(a, 2, n)
-            local.all_reduce(a, x, np.add)
+            if (c + r) % 2:
+                result = np.full_like(x, np.nan)
+                local.all_reduce(a, x, np.add, result)
+                np.testing.assert_array_equal(x, inputs[c, r])
+                x = result
+            else:
+                local.all_reduce(a, x, np.add)
             out.append(x)
         ins = np.split(scatter_in[r], np.cumsum(blocks)[:-1])
         got = np.empty(blocks[r], dtype=np.int64)
@@ -305,6 +313,12 @@ def _every_collective(sub_ranks: list[int]) -> dict:
                 x = every[me].copy()
                 pb.all_reduce(x, op=op, group=group)
                 np.testing.assert_allclose(x, reference(np.stack(every), axis=0), rtol=1e-6)
+                into = np.empty_like(x)  # out of place on odd ranks, in place on even ones
+                y = every[me].copy()
+                pb.all_reduce(y, op=op, group=group, out=into if me % 2 else None)
+                np.testing.assert_array_equal(into if me % 2 else y, x)
+                if me % 2:
+                    np.testing.assert_array_equal(y, every[me])
             blocks = [n // p + (q == 0) for q in range(p)]
             ins = [np.full(blocks[q], me + 10 * q, dtype=np.int64) for q in range(p)]
             out = np.empty(blocks[me], dtype=np.int64)
@@ -356,6 +370,38 @@ def test_gloo_arena_can_be_turned_off():
         False,
         False,
     ]
+
+
+def _out_of_place(sizes: tuple[int, ...]) -> bool:
+    """``all_reduce(x, out=y)`` against numpy, the input untouched; returns whether the group
+    has an arena."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for n in sizes:
+        for op, reference in ((pb.ReduceOp.SUM, np.sum), (pb.ReduceOp.AVG, np.mean)):
+            every = [np.arange(n, dtype=np.float64) * (j + 1) for j in range(size)]
+            x = every[rank].copy()
+            out = np.full_like(x, np.nan)
+            pb.all_reduce(x, op, out=out)
+            np.testing.assert_allclose(out, reference(np.stack(every), axis=0), rtol=1e-12)
+            np.testing.assert_array_equal(x, every[rank])
+    return pb.get_default_group().backends["cpu"].arena is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arena", ["1", "0"])
+def test_gloo_out_of_place_all_reduce_on_the_arena_and_over_tcp(arena):
+    """One-shot, rounds of small halves (arena) or direct exchange and ring (TCP)."""
+    got = run_ranks(
+        _out_of_place,
+        3,
+        "gloo",
+        "processes",
+        timeout=90,
+        env={"PLURIBUS_GLOO_ARENA": arena},
+        args=((0, 5, 3000, 200_000),),
+        backend_options={"arena_bytes": 64 << 10},
+    )
+    assert got == [arena == "1"] * 3
 
 
 def _arena_vs_ring_collective() -> None:

@@ -57,11 +57,19 @@ def _lane(op: Operation, args: tuple) -> Any:
 
 
 def blocking(backend: Backend, name: str) -> Callable[..., None]:
-    """The backend's blocking method for ``name``, or the generic algorithm over send/recv."""
+    """The backend's blocking method for ``name``, or the generic algorithm over send/recv
+    (for ``all_reduce_into``: copy, then the backend's all-reduce in place)."""
     native = getattr(backend, name, None)
     if native is not None:
         return native
+    if name == "all_reduce_into":
+        return functools.partial(_all_reduce_by_copy, blocking(backend, "all_reduce"))
     return functools.partial(getattr(algorithms, name), backend)
+
+
+def _all_reduce_by_copy(all_reduce: Callable[..., None], array: Any, output: Any, op) -> None:
+    output[...] = array
+    all_reduce(output, op)
 
 
 def run(op: Operation, group, args: tuple, async_op: bool):
@@ -70,14 +78,21 @@ def run(op: Operation, group, args: tuple, async_op: bool):
     key = op.key_array(args)
     lane = _lane(op, args)
     staging = key is not None and device_of(key) not in backend.devices
+    name = op.name
     if async_op and not staging:
         ordered = group.lane(lane)
         if not ordered.pending:
+            if name == "all_reduce_into" and not hasattr(backend, name):
+                # A backend's start knows only the operations it has methods for: the copy
+                # now (nothing is queued before it), then the in-place form.
+                array, output, reduce_op = args
+                output[...] = array
+                name, args = "all_reduce", (output, reduce_op)
             with ordered.exec_lock:  # one call into the backend at a time per lane, starts too
-                work = backend.start(op.name, args)
+                work = backend.start(name, args)
             if work is not None:
                 return work
-    method = blocking(backend, op.name)
+    method = blocking(backend, name)
 
     def description() -> str:
         return describe(op, group, args)

@@ -25,6 +25,7 @@ from .. import algorithms
 from ..backend import DEBUG_TAG_SHIFT, SubgroupView
 from ..errors import CollectiveMismatchError
 from ..hookspecs import hookimpl
+from ..operations import OPERATIONS
 from .common import CollectiveCall, CollectiveWrapper, set_registered
 
 DEBUG_ENV = "PLURIBUS_DEBUG"
@@ -39,7 +40,7 @@ def enabled_by_env() -> bool:
 def fingerprint(call: CollectiveCall, seq: int) -> dict[str, Any]:
     return {
         "seq": seq,
-        "op": call.op,
+        "op": OPERATIONS[call.op].meets,  # in place and out of place meet each other
         "shape": list(call.shape) if call.shape is not None else None,
         "numel": call.numel(),
         "dtype": call.dtype,

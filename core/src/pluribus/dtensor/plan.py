@@ -2,7 +2,7 @@
 time, with their byte counts and an alpha-beta estimate of their time.
 
 Each mesh dimension changes with its cheapest step: Shard->Replicate all-gather,
-Partial->Replicate all-reduce (:data:`SPLIT_ALL_REDUCE_BYTES` says which form), Partial->Shard
+Partial->Replicate all-reduce (out of place unless the source may be written), Partial->Shard
 reduce-scatter, Shard(i)->Shard(j) (or the same dimension with other sizes) all-to-all,
 Replicate->Shard and Replicate->Partial local. Steps that shrink the data go first and
 all-gathers last, so later steps move less; where two mesh dimensions trade tensor dimensions
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .layout import Layout, split_sizes
+from .layout import Layout
 from .placements import Partial, Placement, Replicate, Shard
 
 #: step kinds in the order the planner prefers them (cheapest and most shrinking first)
@@ -28,25 +28,14 @@ _ORDER = {
     "all_gather": 5,
 }
 
-#: How a Partial->Replicate step reduces when the source's piece may not be written (redistribute
-#: leaves its input valid): below this many bytes it copies the piece and all-reduces the copy in
-#: place (one collective); from it on, a reduce-scatter reads the piece straight into this rank's
-#: slice of the new array and an all-gather in place fills the rest (the bytes a ring or gloo's
-#: shared-memory all-reduce moves, without the copy, for a second collective's fixed cost).
-#: Measured on gloo, 2 and 4 ranks (BENCHMARKS.md). Where the piece may be written (``donate``,
-#: or an array an earlier step made) the step is the in-place all-reduce.
-SPLIT_ALL_REDUCE_BYTES = 1 << 20
-
 
 @dataclass(frozen=True)
 class CostModel:
-    """``alpha`` seconds per message, ``beta`` seconds per byte (ring algorithms), ``copy`` seconds
-    per byte copied locally. The defaults are gloo's over loopback TCP on the machines of
-    BENCHMARKS.md, to within a factor of two."""
+    """``alpha`` seconds per message, ``beta`` seconds per byte (ring algorithms). The defaults
+    are gloo's over loopback TCP on the machines of BENCHMARKS.md, to within a factor of two."""
 
     alpha: float = 30e-6
     beta: float = 1 / 1.5e9
-    copy: float = 1 / 4e9
 
 
 DEFAULT_COST = CostModel()
@@ -71,8 +60,9 @@ class Step:
     even: bool = False
     #: the public collectives this step calls, in order, each ``(name, bytes in, bytes out)``
     calls: tuple[tuple[str, int, int], ...] = ()
-    #: an all-reduce's way (``"in place"``, ``"copy"``, ``"split"``, see
-    #: :data:`SPLIT_ALL_REDUCE_BYTES`); None for the other kinds
+    #: an all-reduce's way: ``"in place"`` where the piece may be written (``donate``, or an
+    #: array an earlier step made), else ``"out of place"`` (``all_reduce(piece, out=new)``,
+    #: the piece left as it was); None for the other kinds
     how: str | None = None
 
     @property
@@ -82,10 +72,8 @@ class Step:
 
     def __str__(self) -> str:
         what = self.collective or "local"
-        if self.how == "copy":
-            what = "copy + all_reduce"
-        elif self.how == "split":
-            what = "all_reduce as reduce_scatter + all_gather"
+        if self.how == "out of place":
+            what = "all_reduce out of place"
         return (
             f"mesh dim {self.mesh_dim}: {self.src!r} -> {self.dst!r}: {what} over "
             f"{self.group_size} ranks, {self.bytes_in:,} B in, {self.bytes_out:,} B out, "
@@ -110,7 +98,7 @@ class Plan:
 
     @property
     def collectives(self) -> list[str]:
-        """The public collectives it calls, in order."""
+        """The operations it calls (:data:`~pluribus.operations.OPERATIONS` names), in order."""
         return [name for s in self.steps for name, _, _ in s.calls]
 
     def __str__(self) -> str:
@@ -147,17 +135,15 @@ def _ring_seconds(kind: str, p: int, nbytes: int, cost: CostModel) -> float:
 
 
 def _all_reduce_way(
-    p: int, me: int, nbytes: int, itemsize: int, writable: bool, cost: CostModel
+    p: int, nbytes: int, writable: bool, cost: CostModel
 ) -> tuple[str, tuple[tuple[str, int, int], ...], float]:
-    """How a Partial->Replicate step reduces ``nbytes``: (way, calls, predicted seconds)."""
+    """How a Partial->Replicate step reduces ``nbytes``: (way, calls, predicted seconds). Out
+    of place costs what in place does where the backend reduces into the output (gloo copies
+    the input into its shared segment either way; MPI and NCCL take a send buffer)."""
     ring = _ring_seconds("all_reduce", p, nbytes, cost)
     if writable:
         return "in place", (("all_reduce", nbytes, nbytes),), ring
-    if nbytes < SPLIT_ALL_REDUCE_BYTES:
-        return "copy", (("all_reduce", nbytes, nbytes),), nbytes * cost.copy + ring
-    mine = split_sizes(nbytes // itemsize, p)[me] * itemsize
-    calls = (("reduce_scatter", nbytes, mine), ("all_gather", mine, nbytes))
-    return "split", calls, ring  # a ring all-reduce is a reduce-scatter and an all-gather
+    return "out of place", (("all_reduce_into", nbytes, nbytes),), ring
 
 
 def make_plan(
@@ -202,9 +188,7 @@ def make_plan(
             whole = before_bytes
         how = None
         if kind == "all_reduce":
-            how, calls, seconds = _all_reduce_way(
-                p, coordinate[m], before_bytes, itemsize, writable, cost
-            )
+            how, calls, seconds = _all_reduce_way(p, before_bytes, writable, cost)
         else:
             seconds = _ring_seconds(kind, p, whole, cost)
             calls = () if kind.endswith("_local") else ((kind, before_bytes, after_bytes),)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import distributed as dist
-from .layout import split_sizes
 from .plan import Plan, Step
 
 Run = Callable[[Any, bool], tuple[Any, Any, Any]]
@@ -76,7 +75,7 @@ def _compile_step(mesh: Any, step: Step, xp: Any) -> Run:
     # perm: index along mesh dimension m -> rank in the group
     group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
-        return _compile_all_reduce(step, xp, group, perm, identity, me)
+        return _compile_all_reduce(step, xp, group)
     if kind == "all_gather":
         return _compile_all_gather(step, xp, group, perm, identity)
     if kind == "reduce_scatter":
@@ -93,41 +92,16 @@ def _back(d: int, xp: Any):
     return lambda out: xp.ascontiguousarray(xp.moveaxis(out, 0, d))
 
 
-def _compile_all_reduce(step: Step, xp, group, perm, identity, me) -> Run:
+def _compile_all_reduce(step: Step, xp, group) -> Run:
     op, all_reduce = step.src.reduce_op, dist.all_reduce
     if step.how == "in place":
         return lambda local, async_op: (all_reduce(local, op, group, async_op), local, None)
-    if step.how == "copy":
 
-        def copy_and_reduce(local, async_op):
-            array = local.copy()
-            return all_reduce(array, op, group, async_op), array, None
+    def out_of_place(local, async_op):
+        out = xp.empty_like(local)
+        return all_reduce(local, op, group, async_op, out=out), out, None
 
-        return copy_and_reduce
-    return _compile_split_all_reduce(step, xp, group, perm, identity, me)
-
-
-def _compile_split_all_reduce(step: Step, xp, group, perm, identity, me) -> Run:
-    """All-reduce without writing ``local``: a reduce-scatter of its flat chunks into this rank's
-    chunk of a new array, then an all-gather of that chunk in place."""
-    op, reduce_scatter, all_gather = step.src.reduce_op, dist.reduce_scatter, dist.all_gather
-
-    def split(local, async_op):
-        source = local.reshape(-1)
-        sizes = split_sizes(source.size, step.group_size)
-        offsets = _offsets(sizes)
-        out = xp.empty(local.shape, dtype=local.dtype)
-        flat = out.reshape(-1)
-        mine = flat[offsets[me] : offsets[me] + sizes[me]]
-        if identity and len(set(sizes)) == 1:
-            reduce_scatter(mine, source, op, group)
-            return all_gather(flat, mine, group, async_op), out, None
-        spans = [slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)]
-        reduce_scatter(mine, _ordered(perm, [source[s] for s in spans]), op, group)
-        work = all_gather(_ordered(perm, [flat[s] for s in spans]), mine, group, async_op)
-        return work, out, None
-
-    return split
+    return out_of_place
 
 
 def _compile_all_gather(step: Step, xp, group, perm, identity) -> Run:

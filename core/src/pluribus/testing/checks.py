@@ -207,6 +207,75 @@ def check_all_reduce_large() -> None:
     assert x.shape == (3, 5, 2) and (x == size).all()
 
 
+def check_all_reduce_into() -> None:
+    """``all_reduce(x, out=y)``: every op and dtype, small and large, synchronous and async,
+    the input untouched; ranks mixing the in-place and out-of-place forms in one collective;
+    bad outputs refused on the calling rank before anything is sent."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    for dtype in dtypes():
+        for op in valid_ops(dtype):
+            for n in SMALL_SIZES:
+                x = on_device(rank_input(rank, n, dtype, op))
+                out = xp.zeros_like(x)
+                if _refused_as_unsupported(pb.all_reduce, x, op, dtype=dtype, op=op):
+                    continue
+                pb.all_reduce(x, op, out=out)
+                what = f"all_reduce out= {op.name} {dtype} n={n}"
+                assert_equal(out, expected_reduction(size, n, dtype, op), what)
+                assert_equal(x, rank_input(rank, n, dtype, op), f"{what}: input changed")
+    for n in SIZES:
+        x = on_device(rank_input(rank, n, np.dtype(np.float32)))
+        out = xp.full_like(x, -1.0)
+        mine = out if rank % 2 else x  # odd ranks out of place, even ranks in place
+        if rank % 2:
+            pb.all_reduce(x, out=out)
+        else:
+            pb.all_reduce(x)
+        expected = expected_reduction(size, n, np.dtype(np.float32), ReduceOp.SUM)
+        assert_equal(mine, expected, f"all_reduce mixed forms n={n}")
+        if rank % 2:
+            assert_equal(x, rank_input(rank, n, np.dtype(np.float32)), f"n={n}: input changed")
+    inputs = [
+        on_device(rank_input(rank, 1000 * (i % 3) + 1, np.dtype(np.float64))) for i in range(6)
+    ]
+    outs = [xp.zeros_like(x) for x in inputs]
+    works = [
+        pb.all_reduce(x, ReduceOp.AVG, async_op=True, out=o)
+        for x, o in zip(inputs, outs, strict=True)
+    ]
+    for w in reversed(works):
+        w.wait()
+    for i, (x, o) in enumerate(zip(inputs, outs, strict=True)):
+        n = x.size
+        assert_equal(
+            o, expected_reduction(size, n, np.dtype(np.float64), ReduceOp.AVG), f"async {i}"
+        )
+        assert_equal(x, rank_input(rank, n, np.dtype(np.float64)), f"async {i}: input changed")
+    if device() == "cpu":  # a read-only input is fine: only out is written
+        ro = np.full(4, float(rank))
+        ro.flags.writeable = False
+        out = np.zeros(4)
+        pb.all_reduce(ro, out=out)
+        assert (out == sum(range(size))).all()
+    x = xp.ones(8, dtype=np.float32)
+    _expect(TypeError, pb.all_reduce, x, out=xp.zeros(8, np.float64), must_mention="dtype")
+    _expect(ValueError, pb.all_reduce, x, out=xp.zeros(9, np.float32), must_mention="shape")
+    _expect(ValueError, pb.all_reduce, x, out=xp.zeros((2, 4), np.float32), must_mention="shape")
+    _expect(ValueError, pb.all_reduce, x, out=x, must_mention="overlaps")
+    whole = xp.zeros(16, np.float32)
+    _expect(ValueError, pb.all_reduce, whole[:8], out=whole[4:12], must_mention="overlaps")
+    _expect(ValueError, pb.all_reduce, x, out=xp.zeros((8, 2), np.float32)[:, 0])
+    _expect(TypeError, pb.all_reduce, x, out=[0.0] * 8)
+    if device() == "cpu":
+        ro = np.zeros(8, np.float32)
+        ro.flags.writeable = False
+        _expect(ValueError, pb.all_reduce, x, out=ro, must_mention="read-only")
+    # nothing was sent: the next collective meets the same one on every rank
+    out = xp.zeros(8, np.float32)
+    pb.all_reduce(x, out=out)
+    assert (out == size).all() and (x == 1).all()
+
+
 def check_reduce() -> None:
     rank, size = pb.get_rank(), pb.get_world_size()
     for dst in range(size):
@@ -538,6 +607,7 @@ def _round(group, rank: int, size: int) -> None:
     for async_op in (False, True):
         works = [
             pb.all_reduce(xp.ones(n), group=group, async_op=async_op),
+            pb.all_reduce(xp.ones(n), group=group, async_op=async_op, out=xp.zeros(n)),
             pb.broadcast(xp.ones(n), 0, group=group, async_op=async_op),
             pb.reduce(xp.ones(n), 0, group=group, async_op=async_op),
             pb.all_gather(xp.zeros(n * size), xp.ones(n), group=group, async_op=async_op),

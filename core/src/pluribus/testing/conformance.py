@@ -19,6 +19,7 @@ from .harness import RanksFailed
 CHECKS = [
     checks.check_all_reduce_ops_dtypes,
     checks.check_all_reduce_large,
+    checks.check_all_reduce_into,
     checks.check_reduce,
     checks.check_broadcast,
     checks.check_all_gather,

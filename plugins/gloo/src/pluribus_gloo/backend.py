@@ -289,6 +289,18 @@ class GlooBackend(Backend):
                 call.run(lambda: self._post_ring_all_reduce(call, data))
         finish_average(array, op, p)
 
+    def all_reduce_into(self, array: Any, output: Any, op: ReduceOp) -> None:
+        """On the arena, the copy into the segment is the one the in-place form makes anyway
+        and the result lands straight in ``output``; over TCP, a copy then the in-place form."""
+        if self.size > 1 and self.arena is not None:
+            data = flat(array)
+            ufunc = self._arena_call(wire.ALL_REDUCE, data.dtype, op, data.size)
+            local.all_reduce(self.arena, data, ufunc, flat(output))
+            finish_average(output, op, self.size)
+            return
+        output[...] = array
+        self.all_reduce(output, op)
+
     def _all_reduce_direct(self, call: _Call, data: np.ndarray) -> None:
         p, r = self.size, self.rank
         incoming = {j: np.empty_like(data) for j in range(p) if j != r}

@@ -41,32 +41,36 @@ def _reduce_in_order(ufunc, parts: list[np.ndarray], out: np.ndarray) -> None:
         ufunc(out, part, out=out)
 
 
-def all_reduce(arena, data: np.ndarray, ufunc) -> None:
+def all_reduce(arena, data: np.ndarray, ufunc, out: np.ndarray | None = None) -> None:
+    """Reduce ``data`` into ``out`` (``data`` itself when None); ``data`` is only read when
+    ``out`` is another array, which the segment's copy of it makes free."""
+    out = data if out is None else out
     if data.nbytes * arena.size <= ONE_SHOT_BYTES and data.nbytes <= arena.half:
-        _all_reduce_one_shot(arena, data, ufunc)
+        _all_reduce_one_shot(arena, data, ufunc, out)
     else:
-        _all_reduce_two_phase(arena, data, ufunc)
+        _all_reduce_two_phase(arena, data, ufunc, out)
 
 
-def _all_reduce_one_shot(arena, data: np.ndarray, ufunc) -> None:
+def _all_reduce_one_shot(arena, data: np.ndarray, ufunc, out: np.ndarray) -> None:
     halves = arena.next_half(data.dtype)
     n = data.size
     halves[arena.rank][:n] = data
     arena.sync()
     if arena.size == 2:
-        ufunc(halves[0][:n], halves[1][:n], out=data)
+        ufunc(halves[0][:n], halves[1][:n], out=out)
     elif n == 1:
-        ufunc.reduce(arena.first_elements(data.dtype), axis=0, out=data)
+        ufunc.reduce(arena.first_elements(data.dtype), axis=0, out=out)
     else:
-        _reduce_in_order(ufunc, [h[:n] for h in halves], data)
+        _reduce_in_order(ufunc, [h[:n] for h in halves], out)
 
 
-def _all_reduce_two_phase(arena, data: np.ndarray, ufunc) -> None:
+def _all_reduce_two_phase(arena, data: np.ndarray, ufunc, out: np.ndarray) -> None:
     """Reduce-scatter + all-gather in rounds, software-pipelined: in one phase a rank copies out
     round ``k - 2``, reduces its part of round ``k - 1`` and copies in round ``k``, so ``K`` rounds
     take ``K + 1`` syncs. Part ``q`` of every round lives in region ``q`` of each half, so the
     copy-in of round ``k`` (the regions a rank does not own) never touches what its peers read in
-    the copy-out of round ``k - 2`` (the region it owns) in the same phase."""
+    the copy-out of round ``k - 2`` (the region it owns) in the same phase. Rounds read ``data``
+    and write ``out``, which may be the same array."""
     p, r = arena.size, arena.rank
     region = arena.half // (p * data.itemsize)
     per_round = region * p
@@ -79,14 +83,15 @@ def _all_reduce_two_phase(arena, data: np.ndarray, ufunc) -> None:
         if 1 <= phase <= len(starts):
             _reduce_own_part(rounds[phase - 1], region, r, p, ufunc)
         if phase < len(starts):
-            chunk = data[starts[phase] : starts[phase] + per_round]
-            rounds[phase] = _copy_in(arena, chunk, region, r, p)
+            window = slice(starts[phase], starts[phase] + per_round)
+            rounds[phase] = _copy_in(arena, data[window], out[window], region, r, p)
         if phase <= len(starts):
             arena.sync()
 
 
-def _copy_in(arena, chunk: np.ndarray, region: int, r: int, p: int):
-    """Copy the parts of ``chunk`` that the peers reduce into their regions of this rank's half."""
+def _copy_in(arena, chunk: np.ndarray, result: np.ndarray, region: int, r: int, p: int):
+    """Copy the parts of ``chunk`` that the peers reduce into their regions of this rank's half;
+    ``result`` is where the round's reduction goes."""
     slots = arena.next_half(chunk.dtype)
     bounds = chunk_bounds(chunk.size, p)
     mine = slots[r]
@@ -94,12 +99,12 @@ def _copy_in(arena, chunk: np.ndarray, region: int, r: int, p: int):
         if q != r:
             lo, hi = bounds[q], bounds[q + 1]
             mine[q * region : q * region + hi - lo] = chunk[lo:hi]
-    return chunk, bounds, slots
+    return chunk, result, bounds, slots
 
 
 def _reduce_own_part(state, region: int, r: int, p: int, ufunc) -> None:
     """Reduce part ``r`` (in rank order) into region ``r`` of this rank's half."""
-    chunk, bounds, slots = state
+    chunk, _, bounds, slots = state
     lo, hi = bounds[r], bounds[r + 1]
     at = r * region
     parts = [chunk[lo:hi] if j == r else slots[j][at : at + hi - lo] for j in range(p)]
@@ -107,11 +112,11 @@ def _reduce_own_part(state, region: int, r: int, p: int, ufunc) -> None:
 
 
 def _copy_out(state, region: int, p: int) -> None:
-    """Copy every rank's reduced part (region ``q`` of rank ``q``'s half) into the chunk."""
-    chunk, bounds, slots = state
+    """Copy every rank's reduced part (region ``q`` of rank ``q``'s half) into the result."""
+    _, result, bounds, slots = state
     for q in range(p):
         lo, hi = bounds[q], bounds[q + 1]
-        chunk[lo:hi] = slots[q][q * region : q * region + hi - lo]
+        result[lo:hi] = slots[q][q * region : q * region + hi - lo]
 
 
 def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None:
