@@ -1,5 +1,5 @@
 """DTensor and tensor parallelism on cupy: every redistribute pair (even and uneven shards, the
-in-place, copying and split all-reduce) equals numpy and keeps its pieces on the GPU, and a
+in-place and out-of-place all-reduce) equals numpy and keeps its pieces on the GPU, and a
 tensor-parallel transformer block gives the unsplit block's outputs and gradients.
 
 Multi-rank runs use ucc (two or four processes sharing the one GPU through CUDA IPC); NCCL
@@ -15,7 +15,6 @@ import pluribus as pb
 import pytest
 from pluribus import nn
 from pluribus.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from pluribus.dtensor import plan as plan_module
 from pluribus.parallel import full_parameter, parallelize_module, transformer_plan
 from pluribus.testing import needs_gpu, run_ranks
 
@@ -29,7 +28,7 @@ NCCL = "cpu:gloo,cuda:nccl"
 CHAINS_1D = [
     [((Shard(0),), False), ((Replicate(),), False)],  # all-gather, uneven
     [((Shard(1),), False), ((Shard(0),), False), ((Shard(1),), False)],  # all-to-all both ways
-    [((Partial("sum"),), False), ((Replicate(),), False)],  # copy + all-reduce / split
+    [((Partial("sum"),), False), ((Replicate(),), False)],  # out-of-place all-reduce
     [((Partial("sum"),), True), ((Replicate(),), False)],  # in place
     [((Partial("max"),), False), ((Shard(0),), False)],  # reduce-scatter
     [((Partial("avg"),), False), ((Shard(1),), False), ((Replicate(),), False)],
@@ -50,30 +49,26 @@ def _redistribute_on_cupy(mesh_shape: tuple[int, ...], chains, shapes) -> int:
     import cupy
 
     mesh = init_device_mesh("cuda", mesh_shape)
-    checked, default = 0, plan_module.SPLIT_ALL_REDUCE_BYTES
-    for split_at in (default, 0):  # below it a copy + all-reduce; at 0 always the split form
-        plan_module.SPLIT_ALL_REDUCE_BYTES = split_at
-        mesh.plan_cache.clear()
-        for shape in shapes:
-            for chain in chains:
-                reference = np.random.default_rng(checked).integers(-9, 9, shape).astype(np.float64)
-                x = distribute_tensor(cupy.asarray(reference), mesh, chain[0][0])
-                for (target, _), (_, donate) in zip(chain[1:], chain[:-1], strict=True):
-                    before = x.to_local().copy()
-                    y = x.redistribute(placements=target, donate=donate)
-                    local = y.to_local()
-                    assert isinstance(local, cupy.ndarray), type(local)
-                    if not donate:
-                        assert bool((x.to_local() == before).all()), "the source changed"
-                    if not any(isinstance(p, Partial) for p in target):
-                        want = reference[y.layout.local_slices(mesh.coordinate)]
-                        np.testing.assert_allclose(cupy.asnumpy(local), want, rtol=0, atol=1e-9)
-                    x = y
-                    checked += 1
-                whole = x.full_tensor()
-                assert isinstance(whole, cupy.ndarray)
-                np.testing.assert_allclose(cupy.asnumpy(whole), reference, rtol=0, atol=1e-9)
-    plan_module.SPLIT_ALL_REDUCE_BYTES = default
+    checked = 0
+    for shape in shapes:
+        for chain in chains:
+            reference = np.random.default_rng(checked).integers(-9, 9, shape).astype(np.float64)
+            x = distribute_tensor(cupy.asarray(reference), mesh, chain[0][0])
+            for (target, _), (_, donate) in zip(chain[1:], chain[:-1], strict=True):
+                before = x.to_local().copy()
+                y = x.redistribute(placements=target, donate=donate)
+                local = y.to_local()
+                assert isinstance(local, cupy.ndarray), type(local)
+                if not donate:
+                    assert bool((x.to_local() == before).all()), "the source changed"
+                if not any(isinstance(p, Partial) for p in target):
+                    want = reference[y.layout.local_slices(mesh.coordinate)]
+                    np.testing.assert_allclose(cupy.asnumpy(local), want, rtol=0, atol=1e-9)
+                x = y
+                checked += 1
+            whole = x.full_tensor()
+            assert isinstance(whole, cupy.ndarray)
+            np.testing.assert_allclose(cupy.asnumpy(whole), reference, rtol=0, atol=1e-9)
     return checked
 
 
@@ -86,7 +81,7 @@ def test_every_redistribute_on_cupy_over_ucc_equals_numpy(world):
         _redistribute_on_cupy, world, "ucc", "processes", timeout=300,
         backend_options=UCC_CUDA, args=(mesh_shape, chains, shapes),
     )  # fmt: skip
-    assert counts == [2 * len(shapes) * sum(len(c) - 1 for c in chains)] * world
+    assert counts == [len(shapes) * sum(len(c) - 1 for c in chains)] * world
 
 
 @needs_gpu("nccl")
@@ -95,7 +90,7 @@ def test_every_redistribute_on_cupy_over_nccl_at_world_size_one_equals_numpy():
         _redistribute_on_cupy, 1, NCCL, "processes", timeout=300,
         args=((1,), CHAINS_1D, [(5, 6), (0, 3)]),
     )  # fmt: skip
-    assert counts == [2 * 2 * sum(len(c) - 1 for c in CHAINS_1D)]
+    assert counts == [2 * sum(len(c) - 1 for c in CHAINS_1D)]
 
 
 def _block_on_cupy() -> bool:
