@@ -52,7 +52,7 @@ from .probe import cuda_support
 from .work import MPIWork, Pending, describe
 
 #: Synchronous operations that run as MPI blocking calls (see MPIBackend.blocking).
-BLOCKING_CALLS = frozenset({"all_reduce", "all_reduce_into", "broadcast", "barrier"})
+BLOCKING_CALLS = frozenset({"all_reduce", "broadcast", "barrier"})
 
 
 class MPIBackend(Backend):
@@ -206,17 +206,15 @@ class MPIBackend(Backend):
 
         return all_reduce
 
+    # No all_reduce_into: the core copies into ``out`` and calls the in-place all-reduce. MPI
+    # asks every rank to pass MPI_IN_PLACE alike, and pluribus lets each rank choose its form;
+    # MPI's own out-of-place all-reduce copies sendbuf into recvbuf first too.
+
     def _blocking_all_reduce(self, array: Any, op: ReduceOp) -> None:
         mpi_type, mpi_op = mpi_type_and_op(array.dtype, op, array)
         self.comm.Allreduce(MPI.IN_PLACE, [array, mpi_type], mpi_op)
         if op is ReduceOp.AVG and self.size > 1:
             averager(array, self.size)()
-
-    def _blocking_all_reduce_into(self, array: Any, output: Any, op: ReduceOp) -> None:
-        mpi_type, mpi_op = mpi_type_and_op(array.dtype, op, array)
-        self.comm.Allreduce([array, mpi_type], [output, mpi_type], mpi_op)
-        if op is ReduceOp.AVG and self.size > 1:
-            averager(output, self.size)()
 
     def _blocking_broadcast(self, array: Any, src: int) -> None:
         self.comm.Bcast([array, MPI.BYTE], src)
@@ -284,13 +282,6 @@ class MPIBackend(Backend):
         pending = Pending(self.comm.Iallreduce(MPI.IN_PLACE, [array, mpi_type], mpi_op))
         if op is ReduceOp.AVG and self.size > 1:
             pending.finishers.append(averager(array, self.size))
-        return pending
-
-    def _start_all_reduce_into(self, array: Any, output: Any, op: ReduceOp) -> Pending:
-        mpi_type, mpi_op = mpi_type_and_op(array.dtype, op, array)
-        pending = Pending(self.comm.Iallreduce([array, mpi_type], [output, mpi_type], mpi_op))
-        if op is ReduceOp.AVG and self.size > 1:
-            pending.finishers.append(averager(output, self.size))
         return pending
 
     def _start_broadcast(self, array: Any, src: int) -> Pending:
@@ -430,9 +421,6 @@ class MPIBackend(Backend):
     def all_reduce(self, array: Any, op: ReduceOp) -> None:
         # Replaced per instance by the fast all-reduce where blocking calls are allowed.
         self.execute("all_reduce", (array, op))
-
-    def all_reduce_into(self, array: Any, output: Any, op: ReduceOp) -> None:
-        self.execute("all_reduce_into", (array, output, op))
 
     def broadcast(self, array: Any, src: int) -> None:
         self.execute("broadcast", (array, src))
