@@ -87,60 +87,56 @@ def pluribus_backends():
     yield pb.BackendSpec(name="started", create=create)
 
 
-@pytest.mark.timeout(60)
-def test_async_calls_use_the_backends_start_and_sync_calls_its_blocking_path():
+@pytest.fixture
+def started_backend():
+    """The "started" backend offered for one test; yields the list of names its start saw."""
     import sys
 
     manager = pb.get_plugin_manager()
     manager.register(sys.modules[__name__], name="test-started")
     registry = pb.plugins.registry()
     registry.specs = None  # offer the new backend
+    Started.started = []
     try:
-
-        def body():
-            x = np.ones(3)
-            work = pb.all_reduce(x, async_op=True)
-            assert work.result() == "native"
-            y = np.ones(3)
-            pb.all_reduce(y)  # the generic algorithm over send/recv
-            return x.tolist(), y.tolist()
-
-        assert run_ranks(body, 2, backend="started", mode="threads") == [([2.0] * 3, [2.0] * 3)] * 2
+        yield Started.started
     finally:
         manager.unregister(name="test-started")
         registry.specs = None
         pb.plugins._probe_cache.pop("started", None)
-    assert Started.started == ["all_reduce", "all_reduce"]
 
 
 @pytest.mark.timeout(60)
-def test_async_out_of_place_on_a_backend_without_it_starts_the_in_place_form_on_out():
+def test_async_calls_use_the_backends_start_and_sync_calls_its_blocking_path(started_backend):
+    def body():
+        x = np.ones(3)
+        work = pb.all_reduce(x, async_op=True)
+        assert work.result() == "native"
+        y = np.ones(3)
+        pb.all_reduce(y)  # the generic algorithm over send/recv
+        return x.tolist(), y.tolist()
+
+    assert run_ranks(body, 2, backend="started", mode="threads") == [([2.0] * 3, [2.0] * 3)] * 2
+    assert started_backend == ["all_reduce", "all_reduce"]
+
+
+@pytest.mark.timeout(60)
+def test_async_out_of_place_on_a_backend_without_it_starts_the_in_place_form_on_out(
+    started_backend,
+):
     """The core copies the input into ``out`` and asks the backend's start for "all_reduce" on
     ``out``: a start that knows only its own operations never sees "all_reduce_into"."""
-    import sys
 
-    manager = pb.get_plugin_manager()
-    manager.register(sys.modules[__name__], name="test-started")
-    registry = pb.plugins.registry()
-    registry.specs = None
-    Started.started = []
-    try:
+    def body():
+        x, out = np.ones(3), np.zeros(3)
+        work = pb.all_reduce(x, async_op=True, out=out)
+        assert work.result() == "native"
+        y, out_sync = np.ones(3), np.zeros(3)
+        pb.all_reduce(y, out=out_sync)  # copy, then the generic algorithm on out
+        return x.tolist(), out.tolist(), y.tolist(), out_sync.tolist()
 
-        def body():
-            x, out = np.ones(3), np.zeros(3)
-            work = pb.all_reduce(x, async_op=True, out=out)
-            assert work.result() == "native"
-            y, out_sync = np.ones(3), np.zeros(3)
-            pb.all_reduce(y, out=out_sync)  # copy, then the generic algorithm on out
-            return x.tolist(), out.tolist(), y.tolist(), out_sync.tolist()
-
-        got = run_ranks(body, 2, backend="started", mode="threads")
-        assert got == [([1.0] * 3, [2.0] * 3, [1.0] * 3, [2.0] * 3)] * 2
-    finally:
-        manager.unregister(name="test-started")
-        registry.specs = None
-        pb.plugins._probe_cache.pop("started", None)
-    assert Started.started == ["all_reduce", "all_reduce"]
+    got = run_ranks(body, 2, backend="started", mode="threads")
+    assert got == [([1.0] * 3, [2.0] * 3, [1.0] * 3, [2.0] * 3)] * 2
+    assert started_backend == ["all_reduce", "all_reduce"]
 
 
 @pytest.mark.timeout(60)
