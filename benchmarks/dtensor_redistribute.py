@@ -78,7 +78,7 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
     return {
         "all_gather": (
             lambda: shard.redistribute(placements=[Replicate()]),
-            lambda: pb.all_gather(xp.empty_like(whole), local),
+            lambda: pb.all_gather(xp.empty(whole.shape, whole.dtype), local),
         ),
         "all_reduce": (
             lambda: partial.redistribute(placements=[Replicate()]),
@@ -87,7 +87,7 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
         # the same, against the hand-written call that also leaves its input intact
         "all_reduce vs out=": (
             lambda: partial.redistribute(placements=[Replicate()]),
-            lambda: pb.all_reduce(term, out=xp.empty_like(term)),
+            lambda: pb.all_reduce(term, out=xp.empty(term.shape, term.dtype)),
         ),
         "all_reduce, donate": (
             lambda: DTensor(buffer, mesh, partial.layout).redistribute(
@@ -97,7 +97,7 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
         ),
         "reduce_scatter": (
             lambda: partial.redistribute(placements=[Shard(0)]),
-            lambda: pb.reduce_scatter(xp.empty_like(local), buffer),
+            lambda: pb.reduce_scatter(xp.empty(local.shape, local.dtype), buffer),
         ),
         "all_to_all": (
             lambda: shard.redistribute(placements=[Shard(1)]),
@@ -117,7 +117,7 @@ def _synchronized(fn):
     return call
 
 
-def _collectives(seconds: float, ops: list[str] | None, device: str = "cpu"):
+def _collectives(seconds: float, ops: list[str] | None, device: str = "cpu", sizes=None):
     import pluribus as pb
     from pluribus.dtensor import init_device_mesh
 
@@ -127,6 +127,8 @@ def _collectives(seconds: float, ops: list[str] | None, device: str = "cpu"):
         import cupy as xp
     out = []
     for label, nbytes in SIZES.items():
+        if sizes and label not in sizes:
+            continue
         for op, (ours, hand) in _pairs(mesh, nbytes, xp).items():
             if ops and op not in ops:
                 continue
@@ -153,7 +155,7 @@ def _out_of_place_sweep(seconds: float):
         fns = {
             "redistribute": lambda x=x: x.redistribute(placements=[Replicate()]),
             "in place": lambda buffer=buffer: pb.all_reduce(buffer),
-            "out=": lambda term=term: pb.all_reduce(term, out=np.empty_like(term)),
+            "out=": lambda term=term: pb.all_reduce(term, out=np.empty(term.shape, term.dtype)),
         }
         times = _rounds(fns, seconds)
         ratios = {}
@@ -191,7 +193,7 @@ def _overhead():
             samples.append((time.perf_counter() - start) / 20000 * 1e6)
         results[name] = (float(np.median(samples)), float(np.min(samples)))
     # one rank: the collectives cost next to nothing, so the difference is redistribute's own
-    for op, (ours, hand) in _pairs(mesh, 4096).items():
+    for op, (ours, hand) in _pairs(mesh, 4096, np).items():
         t = _rounds({"redistribute": ours, "hand": hand}, 1.0)
         extra = (t["redistribute"][0] - t["hand"][0]) * 1e6
         results[f"{op} step, 4 KiB on 1 rank: extra over the collective"] = (
@@ -228,6 +230,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["collectives", "overhead", "mlp", "sweep"])
     parser.add_argument("--ops", help="comma-separated subset of the collectives")
     parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--sizes", help=f"comma-separated subset of {', '.join(SIZES)}")
     parser.add_argument("--seconds", type=float, default=3.0, help="per comparison")
     parser.add_argument("--embd", type=int, default=768)
     parser.add_argument("--tokens", type=int, default=256)
@@ -236,6 +239,7 @@ def main() -> None:
     args = parser.parse_args()
     run = {"collectives", "overhead", "mlp"} if args.only is None else {args.only}
     ops = args.ops.split(",") if args.ops else None
+    sizes = [s.strip() for s in args.sizes.split(",")] if args.sizes else None
     if "overhead" in run:
         for name, (med, best) in run_ranks(_overhead, 1, backend="gloo", env=ENV)[0].items():
             print(f"overhead  {name}: {med:.2f} us (fastest {best:.2f})")
@@ -245,7 +249,7 @@ def main() -> None:
                 {"ucc_cuda": True} if args.backend == "ucc" and args.device == "cuda" else None
             )
             rows = run_ranks(_collectives, p, backend=args.backend, env=ENV, timeout=600,
-                             args=(args.seconds, ops, args.device),
+                             args=(args.seconds, ops, args.device, sizes),
                              backend_options=options)[0]  # fmt: skip
             for label, op, ours, hand, ratio in rows:
                 print(

@@ -189,6 +189,39 @@ def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, cou
         assert re.search(message, e.message), e.message
 
 
+def test_placements_and_layouts_are_interned_values():
+    """Equal placements and layouts are one object (the plan cache hashes by identity), and
+    stay so through copies and pickles; they cannot be changed in place."""
+    import copy
+    import pickle
+
+    from pluribus.dtensor.layout import Layout
+
+    assert Shard(0) is Shard(0) is Shard(np.int64(0)) is Shard(dim=0)
+    assert Shard(0) == Shard(0) and Shard(0) != Shard(1) and Shard(1) != Replicate()
+    assert Partial() is Partial("sum") and Partial("max") is not Partial()
+    assert Partial("avg").reduce_op is pb.ReduceOp.AVG and Replicate() is Replicate()
+    for p in (Shard(3), Replicate(), Partial("min")):
+        assert pickle.loads(pickle.dumps(p)) is p and copy.deepcopy(p) is p
+        assert len({p, copy.copy(p)}) == 1
+    with pytest.raises(AttributeError, match="immutable"):
+        Shard(0).dim = 1
+    with pytest.raises(TypeError, match="dim must be an integer"):
+        Shard(0.5)
+    with pytest.raises(ValueError, match="Partial op must be one of"):
+        Partial("prod")
+    a = Layout((5, 2), (Shard(0),), ((3, 2),))
+    b = Layout([5, np.int64(2)], [Shard(0)], [[3, 2]])
+    assert a is b and a.shape == (5, 2) and a.sizes == ((3, 2),)
+    assert a is not Layout((5, 2), (Shard(0),), ((2, 3),))
+    assert pickle.loads(pickle.dumps(a)) is a
+    with pytest.raises(AttributeError, match="immutable"):
+        a.shape = (1,)
+    match Shard(2):
+        case Shard(dim=d):
+            assert d == 2
+
+
 def test_dtensor_is_exported_where_users_look():
     import pluribus.dtensor as dt
 

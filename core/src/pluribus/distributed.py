@@ -619,6 +619,8 @@ _ALL_REDUCE_INTO = OPERATIONS["all_reduce_into"]
 def _overlap(a: Any, b: Any) -> bool:
     """Whether two contiguous arrays share any byte."""
     if isinstance(a, np.ndarray):
+        if a is not b and a.flags.owndata and b.flags.owndata:
+            return False  # two arrays that each own their memory (may_share_memory: 0.3 us)
         return a.size > 0 and b.size > 0 and np.may_share_memory(a, b)
     start_a, start_b = a.data.ptr, b.data.ptr  # cupy
     return bool(a.size and b.size and start_a < start_b + b.nbytes and start_b < start_a + a.nbytes)

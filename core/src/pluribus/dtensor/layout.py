@@ -9,7 +9,6 @@ The sizes are data, never guessed from the local shapes of other ranks: by defau
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from .placements import Partial, Placement, Replicate, Shard
 
@@ -20,23 +19,43 @@ def split_sizes(length: int, parts: int) -> tuple[int, ...]:
     return tuple(base + 1 if i < extra else base for i in range(parts))
 
 
-@dataclass(frozen=True)
 class Layout:
-    """A hashable description of a DTensor's distribution (the plan cache's key)."""
+    """A DTensor's distribution: global ``shape``, one placement per mesh dimension, and per mesh
+    dimension the sizes of the pieces along the sharded tensor dimension (None where not
+    sharded).
 
-    shape: tuple[int, ...]
-    placements: tuple[Placement, ...]
-    #: per mesh dimension: the sizes of the pieces along the sharded tensor dimension, or None
-    sizes: tuple[tuple[int, ...] | None, ...]
+    Layouts are immutable and interned like placements: equal layouts are the same object, so
+    the plan cache, keyed by them on every ``redistribute``, compares and hashes by identity.
+    The table keeps every distinct layout made (a few hundred bytes each), as the plan cache
+    keeps a plan per layout pair."""
 
-    def __hash__(self) -> int:
-        # plan-cache keys are hashed on every redistribute: compute it once
+    __slots__ = ("shape", "placements", "sizes")
+    _made: dict[tuple, Layout] = {}
+
+    def __new__(
+        cls,
+        shape: Sequence[int],
+        placements: Sequence[Placement],
+        sizes: Sequence[Sequence[int] | None],
+    ) -> Layout:
+        key = (shape, placements, sizes)
         try:
-            return self._hash
-        except AttributeError:
-            h = hash((self.shape, self.placements, self.sizes))
-            object.__setattr__(self, "_hash", h)
-            return h
+            return cls._made[key]
+        except (KeyError, TypeError):  # new, or given as lists
+            pass
+        shape = tuple(int(n) for n in shape)
+        placements = tuple(placements)
+        sizes = tuple(None if s is None else tuple(int(n) for n in s) for s in sizes)
+        made = object.__new__(cls)
+        for name, value in zip(cls.__slots__, (shape, placements, sizes), strict=True):
+            object.__setattr__(made, name, value)
+        return cls._made.setdefault((shape, placements, sizes), made)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError("a Layout is immutable; use with_placement for another one")
+
+    def __reduce__(self):
+        return Layout, (self.shape, self.placements, self.sizes)
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         shape = list(self.shape)

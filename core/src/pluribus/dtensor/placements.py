@@ -1,10 +1,15 @@
 """How a tensor lies along one mesh dimension: split (``Shard``), copied (``Replicate``) or
-summed later (``Partial``). Placements are small immutable values, hashable, so that a pair of
-layouts can key the plan cache."""
+summed later (``Partial``).
+
+Placements are immutable values, and *interned*: ``Shard(0)`` returns the same object every
+time, so equal placements are identical. Equality and hashing are then the interpreter's own
+identity checks, which keeps the plan-cache lookup of every ``redistribute`` cheap (a
+dataclass's ``__eq__`` and ``__hash__`` are Python calls, about 0.1 µs each per lookup)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from typing import Any
 
 from ..types import ReduceOp
 
@@ -15,6 +20,8 @@ PARTIAL_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "m
 class Placement:
     """Base class of :class:`Shard`, :class:`Replicate` and :class:`Partial`."""
 
+    __slots__ = ()
+
     def is_shard(self, dim: int | None = None) -> bool:
         return False
 
@@ -24,48 +31,96 @@ class Placement:
     def is_partial(self) -> bool:
         return False
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{self!r} is immutable; make a new placement instead")
 
-@dataclass(frozen=True)
+    def __copy__(self) -> Placement:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Placement:
+        return self
+
+
+def _interned(cls: type, table: dict, key: Any, **fields: Any) -> Any:
+    """The one instance of ``cls`` for ``key``, made with ``fields`` the first time."""
+    made = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(made, name, value)
+    return table.setdefault(key, made)
+
+
 class Shard(Placement):
     """Tensor dimension ``dim`` is split over the mesh dimension (numpy's ``array_split`` sizes
     unless the layout records others)."""
 
-    dim: int
+    __slots__ = ("dim",)
+    __match_args__ = ("dim",)
+    _made: dict[int, Shard] = {}
+
+    def __new__(cls, dim: int) -> Shard:
+        try:
+            return cls._made[dim]
+        except (KeyError, TypeError):
+            pass
+        try:
+            dim = int(operator.index(dim))
+        except TypeError:
+            raise TypeError(f"Shard(dim): dim must be an integer, got {dim!r}") from None
+        return _interned(cls, cls._made, dim, dim=dim)
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
+
+    def __reduce__(self):
+        return Shard, (self.dim,)
 
     def __repr__(self) -> str:
         return f"Shard({self.dim})"
 
 
-@dataclass(frozen=True)
 class Replicate(Placement):
     """Every rank along the mesh dimension holds the whole (sub)tensor."""
 
+    __slots__ = ()
+    _made: dict[None, Replicate] = {}
+
+    def __new__(cls) -> Replicate:
+        try:
+            return cls._made[None]
+        except KeyError:
+            return _interned(cls, cls._made, None)
+
     def is_replicate(self) -> bool:
         return True
+
+    def __reduce__(self):
+        return Replicate, ()
 
     def __repr__(self) -> str:
         return "Replicate()"
 
 
-@dataclass(frozen=True)
 class Partial(Placement):
     """Every rank holds a term; the tensor is their ``op`` (sum, avg, max or min)."""
 
-    op: str = "sum"
+    __slots__ = ("op", "reduce_op")
+    __match_args__ = ("op",)
+    _made: dict[str, Partial] = {}
 
-    def __post_init__(self) -> None:
-        if self.op not in PARTIAL_OPS:
-            raise ValueError(f"Partial op must be one of {sorted(PARTIAL_OPS)}, got {self.op!r}")
-
-    @property
-    def reduce_op(self) -> ReduceOp:
-        return PARTIAL_OPS[self.op]
+    def __new__(cls, op: str = "sum") -> Partial:
+        try:
+            return cls._made[op]
+        except (KeyError, TypeError):
+            pass
+        if not isinstance(op, str) or op not in PARTIAL_OPS:
+            raise ValueError(f"Partial op must be one of {sorted(PARTIAL_OPS)}, got {op!r}")
+        return _interned(cls, cls._made, op, op=op, reduce_op=PARTIAL_OPS[op])
 
     def is_partial(self) -> bool:
         return True
+
+    def __reduce__(self):
+        return Partial, (self.op,)
 
     def __repr__(self) -> str:
         return f"Partial({self.op!r})" if self.op != "sum" else "Partial()"
