@@ -5,6 +5,7 @@ and the tensor-parallel GPT MLP's speed-up of 2 ranks over 1.
     python benchmarks/dtensor_redistribute.py --only overhead  # the fixed cost only
     python benchmarks/dtensor_redistribute.py --only mlp --embd 768 --tokens 256
     python benchmarks/dtensor_redistribute.py --only collectives --device cuda --backend ucc
+    python benchmarks/dtensor_redistribute.py --only gap --ranks 1,2  # Python between calls
 
 The ranks are processes on gloo (one BLAS thread each), or on ``--backend`` with cupy arrays
 under ``--device cuda`` (each call then ends with a synchronisation of the stream). Each
@@ -166,6 +167,27 @@ def _out_of_place_sweep(seconds: float):
     return out
 
 
+def _gap(seconds: float):
+    """What a little Python between two back-to-back collectives costs: a 4 KiB in-place
+    all-reduce alone, and after a busy loop of 1, 2 and 5 µs (redistribute's own work sits in
+    such a gap)."""
+    import pluribus as pb
+
+    buffer = np.zeros(1024, np.float32)
+
+    def after(us: float):
+        def call():
+            end = time.perf_counter() + us * 1e-6
+            while time.perf_counter() < end:
+                pass
+            pb.all_reduce(buffer)
+
+        return call
+
+    fns = {"alone": lambda: pb.all_reduce(buffer)} | {f"{us} us": after(us) for us in (1, 2, 5)}
+    return _rounds(fns, seconds)
+
+
 def _overhead():
     """Microseconds per call of the work redistribute adds to its collectives: placement
     checks, the cached plan's lookup and the new DTensor (a plan with no collective)."""
@@ -227,7 +249,7 @@ def main() -> None:
     from pluribus.testing import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["collectives", "overhead", "mlp", "sweep"])
+    parser.add_argument("--only", choices=["collectives", "overhead", "mlp", "sweep", "gap"])
     parser.add_argument("--ops", help="comma-separated subset of the collectives")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--sizes", help=f"comma-separated subset of {', '.join(SIZES)}")
@@ -271,6 +293,13 @@ def main() -> None:
                     f"median ratio to by hand: in place {ratios['in place']:.3f}, "
                     f"out= {ratios['out=']:.3f}"
                 )
+    if "gap" in run:
+        for p in [int(s) for s in args.ranks.split(",")]:
+            times = run_ranks(_gap, p, backend="gloo", env=ENV, timeout=600,
+                              args=(args.seconds,))[0]  # fmt: skip
+            for name, (med, best) in times.items():
+                print(f"gap  gloo {p} ranks  4 KiB all_reduce, {name:>5}: {med * 1e6:6.2f} us "
+                      f"(fastest {best * 1e6:6.2f})")  # fmt: skip
     if "mlp" in run:
         times = {}
         for p in (1, 2):
