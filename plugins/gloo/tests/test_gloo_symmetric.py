@@ -155,3 +155,30 @@ def test_a_rank_that_dies_leaves_no_segment_behind():
         run_ranks(_dies_while_mapping, 2, "gloo", "processes", timeout=30)
     errors = {e.rank: e for e in info.value.errors}
     assert errors[0].kind == "PeerError" and "rank 1" in errors[0].message, errors[0]
+
+
+def _symmetric_against(other: str) -> None:
+    """Rank 0 reduces a symmetric array; rank 1 runs ``other`` (or dies) instead."""
+    x = pb.empty_symmetric(1 << 18, np.float32)
+    x[...] = 1
+    if pb.get_rank() == 0:
+        pb.all_reduce(x)
+    elif other == "dies":
+        os._exit(3)
+    else:
+        pb.broadcast(x, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other, kind", [("broadcast", "CollectiveMismatchError"), ("dies", "")])
+def test_the_zero_copy_path_keeps_the_arenas_promises(other, kind):
+    """A peer that calls another collective is a mismatch on every rank; a peer that dies is a
+    PeerError naming it; both within seconds, not at the timeout (90 s)."""
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_symmetric_against, 2, "gloo", "processes", timeout=90, args=(other,))
+    errors = {e.rank: e for e in info.value.errors}
+    if kind:
+        assert [errors[r].kind for r in (0, 1)] == [kind, kind], errors
+        assert "all_reduce" in errors[0].message and "broadcast" in errors[0].message
+    else:
+        assert errors[0].kind == "PeerError" and "rank 1" in errors[0].message, errors[0]
