@@ -74,9 +74,10 @@ def _parity(sizes: tuple[int, ...]) -> dict:
     return {"zero_copy": runs, "live": len(symmetric._table[0])}
 
 
-def _disagreements() -> list[int]:
+def _disagreements() -> tuple[list[int], list[int]]:
     """Ranks that pass plain arrays, other offsets, or arrays of another group's allocation:
-    the answer is still right, and nothing ran zero-copy."""
+    the answer is still right, and nothing ran zero-copy; a sub-group's own allocation runs
+    zero-copy on it."""
     rank, size = pb.get_rank(), pb.get_world_size()
     n = 300_001
     inputs = _inputs(n, size, 7)
@@ -93,8 +94,13 @@ def _disagreements() -> list[int]:
             x[...] = inputs[rank]
             pb.all_reduce(x, group=sub if case == "another group" else None)
             np.testing.assert_array_equal(x, expected, err_msg=case)
+    with _zero_copy_runs() as on_sub:  # the sub-group's own allocation is symmetric on it
+        x = pb.empty_symmetric(n, np.float32, group=sub)
+        x[...] = inputs[rank]
+        pb.all_reduce(x, group=sub)
+        np.testing.assert_array_equal(x, expected)
     pb.destroy_process_group(sub)
-    return runs
+    return runs, on_sub
 
 
 def _unequal_shapes() -> str:
@@ -123,7 +129,7 @@ def test_symmetric_all_reduce_on_two_ranks(pair):
 
 @pytest.mark.timeout(120)
 def test_ranks_that_disagree_fall_back_together(pair):
-    assert pair.run(_disagreements) == [[], []]
+    assert pair.run(_disagreements) == [([], [300_001]), ([], [300_001])]
 
 
 @pytest.mark.timeout(120)
