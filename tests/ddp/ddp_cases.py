@@ -15,12 +15,17 @@ from pluribus.parallel import DistributedDataParallel, convert_sync_batchnorm
 FEATURES, CLASSES = 12, 5
 
 
-def make_model(seed: int, batchnorm: bool = False) -> nn.Module:
+def make_model(seed: int, batchnorm: bool = False, hidden: int = 48) -> nn.Module:
     rng = np.random.default_rng(seed)
-    layers = [nn.Linear(FEATURES, 48, rng=rng)]
+    layers = [nn.Linear(FEATURES, hidden, rng=rng)]
     if batchnorm:
-        layers.append(nn.BatchNorm1d(48))
-    layers += [nn.Tanh(), nn.Linear(48, 32, rng=rng), nn.ReLU(), nn.Linear(32, CLASSES, rng=rng)]
+        layers.append(nn.BatchNorm1d(hidden))
+    layers += [
+        nn.Tanh(),
+        nn.Linear(hidden, 32, rng=rng),
+        nn.ReLU(),
+        nn.Linear(32, CLASSES, rng=rng),
+    ]
     return nn.Sequential(*layers)
 
 
@@ -36,8 +41,10 @@ def _optimizer(params):
     return nn.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def reference_train(world: int, per_rank: int, steps: int, accum: int, batchnorm=False) -> dict:
-    model = make_model(seed=100, batchnorm=batchnorm)
+def reference_train(
+    world: int, per_rank: int, steps: int, accum: int, batchnorm=False, hidden: int = 48
+) -> dict:
+    model = make_model(seed=100, batchnorm=batchnorm, hidden=hidden)
     opt, loss_fn = _optimizer(model.parameters()), nn.CrossEntropyLoss()
     for step in range(steps):
         for micro in range(accum):
@@ -57,10 +64,11 @@ def ddp_train_on_rank(
     comm_hook=None,
     batchnorm: bool = False,
     overlap: bool = True,
+    hidden: int = 48,
 ) -> dict:
     """Train with DDP; every rank starts from a different init (DDP broadcasts rank 0's)."""
     rank, world = pluribus.get_rank(), pluribus.get_world_size()
-    model = make_model(seed=100 + rank, batchnorm=batchnorm)
+    model = make_model(seed=100 + rank, batchnorm=batchnorm, hidden=hidden)
     if batchnorm:
         model = convert_sync_batchnorm(model)
     ddp = DistributedDataParallel(
@@ -82,6 +90,26 @@ def ddp_train_on_rank(
     return {"state": ddp.state_dict(), "buckets": len(ddp.buckets), "losses": losses}
 
 
+def ddp_train_counting_zero_copy(*args, **kwargs) -> dict:
+    """:func:`ddp_train_on_rank` on gloo, noting the sizes that gloo's zero-copy all-reduce on
+    symmetric arrays reduced."""
+    from pluribus_gloo import local
+
+    runs = []
+    original = local._all_reduce_symmetric
+
+    def counted(arena, arrays, ufunc):
+        runs.append(arrays[arena.rank].size)
+        original(arena, arrays, ufunc)
+
+    local._all_reduce_symmetric = counted
+    try:
+        result = ddp_train_on_rank(*args, **kwargs)
+    finally:
+        local._all_reduce_symmetric = original
+    return {**result, "zero_copy": runs}
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -91,9 +119,17 @@ class _nothing:
 
 
 def check_matches_reference(
-    results: list[dict], world, per_rank, steps, accum, rtol=2e-5, atol=2e-6, batchnorm=False
+    results: list[dict],
+    world,
+    per_rank,
+    steps,
+    accum,
+    rtol=2e-5,
+    atol=2e-6,
+    batchnorm=False,
+    hidden=48,
 ) -> None:
-    expected = reference_train(world, per_rank, steps, accum, batchnorm=batchnorm)
+    expected = reference_train(world, per_rank, steps, accum, batchnorm=batchnorm, hidden=hidden)
     for name, value in expected.items():
         for rank, result in enumerate(results):
             got = result["state"][name]

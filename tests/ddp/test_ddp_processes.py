@@ -11,6 +11,7 @@ import pytest
 from ddp_cases import (
     check_matches_reference,
     ddp_gpt_train_on_rank,
+    ddp_train_counting_zero_copy,
     ddp_train_on_rank,
     reference_gpt_train,
     reference_train,
@@ -34,6 +35,19 @@ def test_ddp_processes_equal_single_process_on_concatenated_batch(
     )
     assert results[0]["buckets"] >= 3
     check_matches_reference(results, world, per_rank, steps, accum)
+
+
+def test_ddp_on_gloo_reduces_large_buckets_without_copying_them_in(process_pools):
+    """Buckets are symmetric arrays on a group with an arena: one of about 3 MiB (above the
+    one-shot size) runs gloo's zero-copy all-reduce at every step, and training still equals
+    one process on the whole batch."""
+    world, per_rank, steps, hidden = 2, 8, 2, 16384
+    results = process_pools("gloo", world).run(
+        ddp_train_counting_zero_copy, per_rank, steps, 1, 25, None, False, True, hidden
+    )
+    for result in results:
+        assert len(result["zero_copy"]) == steps and min(result["zero_copy"]) > 700_000
+    check_matches_reference(results, world, per_rank, steps, 1, hidden=hidden)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

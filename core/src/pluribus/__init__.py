@@ -52,6 +52,7 @@ from .plugins import (
     is_available,
 )
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .symmetric import empty_symmetric
 from .types import Availability, BackendContext, BackendSpec, ReduceOp
 from .work import Work
 
@@ -112,6 +113,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "destroy_process_group",
+    "empty_symmetric",
     "gather",
     "get_backend",
     "get_default_group",

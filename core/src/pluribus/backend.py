@@ -15,6 +15,8 @@ import threading
 import zlib
 from typing import Any
 
+import numpy as np
+
 from .errors import DistTimeoutError, PeerError
 from .work import Work
 
@@ -159,6 +161,14 @@ class Backend:
         """
         shift = subgroup_tag_shift(ctx.group_name)
         return SubgroupView(self, ranks, ctx.rank, shift, ctx.timeout)
+
+    def empty_symmetric(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A numpy array every rank of the group allocates with this call, placed where this
+        backend's collectives can read it on every peer without a copy (symmetric memory; see
+        :func:`pluribus.empty_symmetric`, which checked that every rank passes the same shape
+        and dtype and calls this in the group's collective order). The default, for backends
+        that cannot, is a plain ``np.empty``."""
+        return np.empty(shape, dtype)
 
     def abort(self, reason: str) -> None:
         """Stop every blocking call on this rank as soon as possible (after a failure)."""

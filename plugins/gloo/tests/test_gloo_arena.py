@@ -4,7 +4,8 @@ In one process (threads standing in for ranks, over one mapping) the algorithms 
 against numpy for random sizes, half sizes and rank counts; with real processes, every
 collective is checked against numpy on the world and on a sub-group, with halves small enough
 that the round structure is exercised, and the promises are kept: mismatches and timeouts raise
-at once on every rank, and no segment is left behind.
+at once on every rank, and no segment is left behind. The zero-copy all-reduce on symmetric
+arrays is checked against the copying path, with ranks that agree and ranks that do not.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pluribus.errors import CollectiveMismatchError, DistTimeoutError
 from pluribus.store import HashStore, PrefixStore
 from pluribus.testing import RanksFailed, run_ranks
 from pluribus_gloo import arena as arena_mod
-from pluribus_gloo import local
+from pluribus_gloo import local, symmetric
 from pluribus_gloo.engine import Op
 
 
@@ -440,3 +441,78 @@ def test_gloo_arena_mismatch_with_a_ring_collective_raises_on_every_rank():
 def test_gloo_arena_wait_times_out():
     took = run_ranks(_one_rank_late, 2, "gloo", "processes", timeout=30)[0]
     assert 1.0 < took < 3.5, took
+
+
+# -- symmetric allocations: the zero-copy all-reduce ----------------------------------------------
+
+
+def _symmetric_arrays(arenas, elements: int, number: int = 1):
+    """One mapping holding every rank's ``elements`` float32s, registered for each thread-rank's
+    arena as :func:`pluribus_gloo.symmetric.allocate` registers a process's; the mapping lives
+    as long as the returned arrays."""
+    size = len(arenas)
+    stride = -(-elements * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
+    mapping = mmap.mmap(-1, stride * size)
+    arrays = []
+    for r, a in enumerate(arenas):
+        array = np.frombuffer(mapping, np.float32, elements, offset=r * stride)
+        start = array.__array_interface__["data"][0]
+        alloc = symmetric.Allocation(number, a, stride, start, start + array.nbytes, mapping)
+        symmetric._register(alloc, mapping)
+        arrays.append(array)
+    return arrays
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.integers(2, 4),
+    n=st.integers(1, 5000),
+    offset=st.integers(0, 300),
+    modes=st.lists(st.sampled_from(["shared", "shared", "plain", "elsewhere"]), min_size=4),
+    one_shot=st.sampled_from([0, 1 << 20]),
+)
+def test_arena_symmetric_all_reduce_matches_the_copying_path(size, n, offset, modes, one_shot):
+    """Ranks pass a slice of their symmetric array (``shared``), a plain copy (``plain``) or
+    another slice of it (``elsewhere``): every rank gets the rank-order sum bit for bit, as the
+    copying path computes it, the zero-copy path runs exactly when every rank passed the same
+    slice and the array is above the one-shot size, and a second call right after (which
+    overwrites the arrays) is right too: no rank left while a peer still read its array."""
+    modes = modes[:size]
+    arenas = _thread_arenas(size, 4096)
+    arrays = _symmetric_arrays(arenas, offset + n + 7)
+    rng = np.random.default_rng(n + offset)
+    inputs = rng.standard_normal((2, size, n)).astype(np.float32)
+    zero_copy = []
+    original = local._all_reduce_symmetric
+
+    def counted(arena, parts, ufunc):
+        zero_copy.append(arena.rank)
+        original(arena, parts, ufunc)
+
+    def rank_fn(a, r):
+        out = []
+        for c in range(2):
+            at = offset + 7 if modes[r] == "elsewhere" else offset
+            x = arrays[r][at : at + n] if modes[r] != "plain" else np.empty(n, np.float32)
+            x[...] = inputs[c, r]
+            _announce(a, 2, n)
+            local.all_reduce(a, x, np.add)
+            out.append(x.copy())
+        return out
+
+    default, local.ONE_SHOT_BYTES = local.ONE_SHOT_BYTES, one_shot
+    local._all_reduce_symmetric = counted
+    try:
+        results = _in_threads(arenas, rank_fn)
+    finally:
+        local.ONE_SHOT_BYTES = default
+        local._all_reduce_symmetric = original
+    for c in range(2):
+        expected = inputs[c, 0].copy()
+        for j in range(1, size):
+            expected += inputs[c, j]
+        for r in range(size):
+            np.testing.assert_array_equal(results[r][c], expected)
+    one_shot_path = n * 4 * size <= one_shot and n * 4 <= 4096
+    agreed = all(m == "shared" for m in modes) and not one_shot_path
+    assert sorted(zero_copy) == (sorted(list(range(size)) * 2) if agreed else [])

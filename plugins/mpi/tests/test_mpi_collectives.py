@@ -136,6 +136,16 @@ def test_integer_bitwise_and_bool_logical_ops(world):
     assert list(flags) == [size == 1, True]
 
 
+def test_empty_symmetric_is_a_plain_array_on_mpi(world):
+    """MPI shares no user memory here: the core's default, an ordinary array, reduced as any."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    x = pb.empty_symmetric((2, 300_000), np.float32)
+    assert type(x) is np.ndarray and x.flags.owndata and x.shape == (2, 300_000)
+    x[...] = rank + 1
+    pb.all_reduce(x)
+    assert (x == size * (size + 1) / 2).all()
+
+
 def test_all_gather_into_separate_arrays_and_uneven_sizes(world):
     rank, size = pb.get_rank(), pb.get_world_size()
     # separate arrays, allocated far apart, of different sizes per rank

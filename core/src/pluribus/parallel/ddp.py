@@ -20,6 +20,7 @@ import numpy as np
 from .. import distributed as dist
 from ..arrays import device_of
 from ..nn.module import Module, Parameter, array_namespace
+from ..symmetric import empty_symmetric
 from .comm_hooks import BUILTIN_HOOKS, allreduce_hook
 
 CommHook = Callable[[Any, "GradBucket"], Any]
@@ -28,7 +29,15 @@ CommHook = Callable[[Any, "GradBucket"], Any]
 class GradBucket:
     """Gradients reduced together: what a comm hook gets (torch's ``GradBucket``)."""
 
-    def __init__(self, index: int, params: list[Parameter], names: list[str], xp: Any, dtype: Any):
+    def __init__(
+        self,
+        index: int,
+        params: list[Parameter],
+        names: list[str],
+        xp: Any,
+        dtype: Any,
+        group: Any = None,
+    ):
         self.index = index
         self.params = params
         self.names = names
@@ -37,7 +46,11 @@ class GradBucket:
         for p in params:
             self.offsets.append(total)
             total += int(p.data.size)
-        self._buffer = xp.zeros(total, dtype=dtype)
+        if xp is np:  # symmetric memory: a backend that can reduces it without copying it in
+            self._buffer = empty_symmetric(total, dtype, group)
+            self._buffer[...] = 0
+        else:
+            self._buffer = xp.zeros(total, dtype=dtype)
         self.views = [
             self._buffer[off : off + p.data.size].reshape(p.data.shape)
             for p, off in zip(params, self.offsets, strict=True)
@@ -190,6 +203,7 @@ class DistributedDataParallel(Module):
                     [n for n, _ in members],
                     array_namespace(first),
                     first.dtype,
+                    self.process_group,
                 )
             )
         return buckets

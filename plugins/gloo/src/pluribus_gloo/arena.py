@@ -9,7 +9,8 @@ control words, each on its own cache line:
   own counter and waits until every peer's counter has caught up.
 - ``announce``: the collective this rank is running (sequence number, kind, dtype, op, count),
   written like a seqlock, so that a peer that runs something else is named at once instead of
-  hanging until the timeout.
+  hanging until the timeout. A large all-reduce also says there whether its array lies in a
+  symmetric allocation (:mod:`pluribus_gloo.symmetric`), and where.
 - ``sleeping``: set while the rank sleeps in the engine's ``poll``; a publisher that sees it
   rings the rank's socket. In the same line, ``sleeps_on``: the peer on whose ``stage`` word
   this rank sleeps (a futex, see :mod:`pluribus_gloo.futex`); that peer wakes the word after it
@@ -59,6 +60,9 @@ LINE = 64
 # the control words of one rank, as indices into the control block seen as uint64
 WORDS_PER_RANK = 5 * LINE // 8
 STAGE, ANN_SEQ, ANN_CODE, ANN_COUNT, SLEEPING, SLEEPS_ON, GAVE_UP = 0, 8, 16, 24, 32, 33, 34
+# beside the announcement: where a large all-reduce's array lies in a symmetric allocation (the
+# allocation's number, 0 for none, and the byte offset); see :mod:`pluribus_gloo.symmetric`
+ANN_SHARED, ANN_SHARED_AT = 17, 18
 #: How long a waiter polls the flags itself before it sleeps on them, yielding the CPU every
 #: other poll; when the host has more ranks than cores, ``YIELD_SECONDS`` instead, yielding on
 #: every poll.
@@ -130,6 +134,21 @@ class Arena:
         c[m + ANN_SEQ] = seq
         self.call_seq, self.call_code, self.call_count = seq, code, count
         self.unchecked = True
+
+    def announce_shared(self, number: int, offset: int) -> None:
+        """Say, before this call's first sync, in which symmetric allocation (0: none) and at
+        which byte offset this rank's all-reduce array lies."""
+        c, m = self.control, self.mine
+        c[m + ANN_SHARED] = number
+        c[m + ANN_SHARED_AT] = offset
+
+    def shared_places(self) -> list[tuple[int, int]]:
+        """Every rank's :meth:`announce_shared` of this call (read after the first sync)."""
+        c = self.control
+        return [
+            (c[b + ANN_SHARED], c[b + ANN_SHARED_AT])
+            for b in range(0, self.size * WORDS_PER_RANK, WORDS_PER_RANK)
+        ]
 
     def next_half(self, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's half for the next round, as whole arrays of ``dtype`` (views made once

@@ -23,7 +23,7 @@ from pluribus.backend import Backend
 from pluribus.errors import PluribusError
 from pluribus.types import ReduceOp
 
-from . import local, wire
+from . import local, symmetric, wire
 from .arena import open_arena
 from .engine import Engine, Op, RecvReq, _same_error
 
@@ -165,15 +165,24 @@ class GlooBackend(Backend):
         )
         #: the group's shared segment when every member is on this host (see :mod:`.arena`)
         self.arena = None
+        #: the group's store (set with the arena) and how many symmetric allocations the group
+        #: made (:mod:`.symmetric`; the same count on every member)
+        self.store = None
+        self.symmetric_allocations = 0
         self._last_signature: tuple = (None, None, 0, 0, None)
 
     def attach_arena(self, store, options: dict) -> None:
         """Agree with the other members on a shared segment; every member calls it."""
+        self.store = store
         arena = open_arena(self.engine, self.ranks, self.rank, store, self.timeout, options)
         if arena is not None:
             arena.group_name = self.group_name
             self.arena = arena
             self.engine.arenas.append(arena)
+
+    def empty_symmetric(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """With an arena, an array in one segment with every member's (:mod:`.symmetric`)."""
+        return symmetric.allocate(self, shape, dtype)
 
     def _arena_call(
         self, kind: int, dtype: np.dtype, op: ReduceOp | None, count: int, root: int = -1

@@ -45,12 +45,16 @@ def segment_size(capacity: int) -> int:
     return 2 * (CONTROL_BYTES + capacity)
 
 
-def create_mapping(nbytes: int) -> tuple[str, mmap.mmap]:
-    """Create and map a fresh segment of ``nbytes``; the caller unlinks it."""
+def create_mapping(nbytes: int, reserve: bool = False) -> tuple[str, mmap.mmap]:
+    """Create and map a fresh segment of ``nbytes``; the caller unlinks it. ``reserve`` takes
+    the pages now, so that a full /dev/shm is an OSError here rather than a SIGBUS when a page
+    is first touched (worth it for large segments that user data lives in)."""
     name = f"/plrb-{os.getpid()}-{secrets.token_hex(6)}"
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, nbytes)
+        if reserve and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
         mm = mmap.mmap(fd, nbytes)
     except BaseException:
         unlink(name)
