@@ -387,12 +387,7 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
     if rank != 0:
         store.set(f"arena/able/{rank}", "1" if local else "0")
         name = store.get("arena/name", timeout).decode()
-        segment = None
-        if name:
-            try:
-                segment = shm.open_mapping(name, total)
-            except OSError as exc:
-                log.info("gloo: cannot map the group's shared memory %s (%s)", name, exc)
+        segment = shm.map_if_possible(name, total, "the group's shared memory") if name else None
         store.set(f"arena/mapped/{rank}", "1" if segment is not None else "0")
         if name and store.get("arena/verdict", timeout) == b"1":
             return Arena(segment, size, rank, half, engine, ranks, timeout)

@@ -18,12 +18,15 @@ one is killed.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform
 import secrets
 
 import numpy as np
+
+log = logging.getLogger("pluribus.gloo")
 
 CONTROL_BYTES = 256
 # 8-byte words of the control block, each on its own cache line
@@ -72,6 +75,16 @@ def open_mapping(name: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
+
+
+def map_if_possible(name: str, nbytes: int, what: str) -> mmap.mmap | None:
+    """``open_mapping``, or None (logged) when this process cannot map the segment: its group
+    then agrees on doing without it."""
+    try:
+        return open_mapping(name, nbytes)
+    except OSError as exc:
+        log.info("gloo: cannot map %s %s (%s)", what, name, exc)
+        return None
 
 
 def create_segment(capacity: int) -> tuple[str, mmap.mmap]:

@@ -122,10 +122,7 @@ def allocate(backend, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if rank != 0:
             name = store.get(f"{key}/name", timeout).decode()
             if name:
-                try:
-                    segment = shm.open_mapping(name, total)
-                except OSError as exc:
-                    log.info("gloo: cannot map symmetric memory %s (%s)", name, exc)
+                segment = shm.map_if_possible(name, total, "symmetric memory")
         store.set(f"{key}/mapped/{rank}", "1" if segment is not None else "0")
         _barrier(backend)  # every member has mapped it, or failed to
     except BaseException:
