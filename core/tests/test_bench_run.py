@@ -268,6 +268,29 @@ def test_spawned_gloo_ranks(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_symmetric_buffers_are_measured_and_checked():
+    """``--symmetric``: pluribus's buffers come from empty_symmetric (gloo's zero-copy
+    all-reduce from 1 MiB at 2 ranks), the rows say so, and every result is checked."""
+    _gloo_or_skip()
+    proc = subprocess.run(
+        _bench_cmd(*"--nproc 2 --backend gloo -C all_reduce,broadcast -b 1M -e 2M -f 2".split(),
+                   *"-n 2 -w 1 --json -q --symmetric".split()),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    rows = doc["rows"]
+    assert {r["impl"] for r in rows} == {"pluribus-gloo-symmetric"}
+    assert sorted((r["collective"], r["size"]) for r in rows) == [
+        ("all_reduce", 1 << 20), ("all_reduce", 2 << 20), ("broadcast", 1 << 20),
+        ("broadcast", 2 << 20),
+    ]  # fmt: skip
+    assert doc["wrong"] == 0 and all(r["wrong"] == 0 and r["skipped"] is None for r in rows)
+
+
+@pytest.mark.timeout(120)
 def test_inside_a_launched_job():
     """As under pluribus-run: the environment names the rank, rank 0 prints the report."""
     _gloo_or_skip()

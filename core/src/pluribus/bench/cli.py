@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="call the backend's methods directly, skipping the public API's checks, "
         "hooks and work queue (the difference is the core's cost per call)",
     )
+    p.add_argument(
+        "--symmetric",
+        action="store_true",
+        help="allocate pluribus's buffers with pluribus.empty_symmetric (gloo on one host then "
+        "reads peers' arrays without copying them in; the compared libraries keep plain arrays)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--save", metavar="FILE.json", help="also write the JSON results to a file")
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size (matplotlib)")
@@ -190,6 +196,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
         profile_dir=os.path.abspath(args.profile) if args.profile else "",
         direct=args.direct,
         device=args.device,
+        symmetric=args.symmetric,
     )
 
 

@@ -26,6 +26,8 @@ class Comm:
     size = 1
     #: The library and its version, for the report ("torch 2.13.0+cpu", "MPICH 5.0.2", ...).
     library = ""
+    #: How the buffers are allocated, ``empty(count, dtype)``; None: the device's plain arrays.
+    empty: Callable[[int, Any], Any] | None = None
 
     def unsupported(self, collective: str, dtype: np.dtype, op: ReduceOp) -> str | None:
         """Why this library cannot run ``collective`` on ``dtype`` with ``op``; None if it can."""
@@ -68,7 +70,12 @@ class PluribusComm(Comm):
     """
 
     def __init__(
-        self, group: Any = None, direct: bool = False, device: str = "cpu", name: str = ""
+        self,
+        group: Any = None,
+        direct: bool = False,
+        device: str = "cpu",
+        name: str = "",
+        symmetric: bool = False,
     ):
         import pluribus
 
@@ -78,7 +85,11 @@ class PluribusComm(Comm):
         self.size = self.group.size
         self.direct = direct
         self.device = device
-        self.name = name or f"pluribus-{self.group.backend_name}" + ("-direct" if direct else "")
+        if symmetric and device == "cpu":
+            group = self.group
+            self.empty = lambda count, dtype: pluribus.empty_symmetric(count, dtype, group)
+        suffix = ("-direct" if direct else "") + ("-symmetric" if self.empty else "")
+        self.name = name or f"pluribus-{self.group.backend_name}{suffix}"
         backend = self.group.backend_name
         version = pluribus.availability(backend).version if "," not in backend else ""
         self.library = f"pluribus {pluribus.__version__}, backend {backend} {version}".strip()

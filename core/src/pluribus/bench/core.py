@@ -149,18 +149,20 @@ class Case:
         op: ReduceOp,
         root: int = 0,
         device: str = "cpu",
+        empty: Any = None,
     ) -> Case:
-        """The buffers on ``device``: numpy arrays on "cpu", cupy arrays on "cuda"."""
+        """The buffers on ``device``: numpy arrays on "cpu", cupy arrays on "cuda", made by
+        ``empty(count, dtype)`` when given (the library's own allocator)."""
         dtype = np.dtype(dtype)
-        xp = array_module(device)
+        empty = empty or array_module(device).empty
         if collective in ("all_reduce", "broadcast", "reduce"):
-            send = recv = xp.empty(count, dtype)
+            send = recv = empty(count, dtype)
         elif collective == "all_gather":
-            send, recv = xp.empty(per_rank, dtype), xp.empty(count, dtype)
+            send, recv = empty(per_rank, dtype), empty(count, dtype)
         elif collective == "reduce_scatter":
-            send, recv = xp.empty(count, dtype), xp.empty(per_rank, dtype)
+            send, recv = empty(count, dtype), empty(per_rank, dtype)
         elif collective == "all_to_all":
-            send, recv = xp.empty(count, dtype), xp.empty(count, dtype)
+            send, recv = empty(count, dtype), empty(count, dtype)
         else:
             raise ValueError(f"unknown collective {collective!r}")
         case = cls(collective, rank, nranks, count, per_rank, dtype, op, root, send, recv)
@@ -256,6 +258,9 @@ class BenchConfig:
     #: Where the buffers live: "cpu" (numpy) or "cuda" (cupy; each timed operation ends with a
     #: synchronisation of the current stream, so GPU work counts, as in nccl-tests).
     device: str = "cpu"
+    #: pluribus's buffers come from :func:`pluribus.empty_symmetric` (numpy), which a backend
+    #: may read on every peer without a copy (gloo on one host); the peers' stay ordinary.
+    symmetric: bool = False
 
     def __post_init__(self) -> None:
         self.collectives = tuple(self.collectives)
@@ -413,8 +418,9 @@ def measure_size(comm: Any, config: BenchConfig, collective: str, nbytes: int) -
         row.skipped = reason
         return row
     case = Case.make(
-        collective, comm.rank, comm.size, count, per_rank, dtype, op, config.root, config.device
-    )
+        collective, comm.rank, comm.size, count, per_rank, dtype, op, config.root, config.device,
+        comm.empty,
+    )  # fmt: skip
     run = comm.runner(collective, case, op, config.root)
     if config.device == "cuda":
         run = _synchronised(run)

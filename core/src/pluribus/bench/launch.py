@@ -304,7 +304,7 @@ def run_threads(config: BenchConfig, nproc: int) -> dict:
                 config.backend, store=store, rank=rank, world_size=nproc, timeout=config.timeout
             )
             try:
-                comm = PluribusComm(direct=config.direct)
+                comm = PluribusComm(direct=config.direct, symmetric=config.symmetric)
                 library.append(comm.library)
                 results[rank] = measure_rank(comm, config)
             finally:

@@ -52,7 +52,12 @@ def open_comm(impl: str, config: BenchConfig):
         backend = impl.removeprefix(STAGED_PREFIX) if staged else config.backend
         # a staged phase's launcher set PLURIBUS_GPU_STAGING=1: cupy arrays cross the host
         pluribus.init_process_group(backend, rank=rank, world_size=size, timeout=config.timeout)
-        return PluribusComm(direct=config.direct, device=config.device, name=impl if staged else "")
+        return PluribusComm(
+            direct=config.direct,
+            device=config.device,
+            name=impl if staged else "",
+            symmetric=config.symmetric and not staged,
+        )
     if impl == "torch-gloo":
         rank, size = rank_and_size()
         return TorchComm(rank, size, config.timeout)
