@@ -94,16 +94,24 @@ def _announce_and_agree(arena, data: np.ndarray, found) -> list[np.ndarray] | No
 #: costs more than the copy it saves.
 ZERO_COPY_BYTES = int(os.environ.get("PLURIBUS_GLOO_ZERO_COPY_BYTES", 1 << 20))
 
+#: Above this a zero-copy broadcast loses: one rank (each non-root) does all the copying from
+#: memory, where the copying path splits it between the root's copy-in and the non-roots'
+#: copy-out, overlapped, through slots that stay in cache. Measured on 2 cores at 2 ranks:
+#: zero-copy 0.63x the copying path's time at 1 MiB, 0.72x at 4 MiB, 1.1x at 16 MiB, 1.25x at
+#: 64 MiB (BENCHMARKS.md).
+BROADCAST_ZERO_COPY_MAX_BYTES = 8 << 20
 
-def _symmetric_inputs(arena, data: np.ndarray | None, total_bytes: int):
-    """The zero-copy decision of broadcast, all-gather and reduce-scatter: None below
-    :data:`ZERO_COPY_BYTES` (the same on every rank: ``total_bytes`` is the call's, not this
-    rank's; no announcement, no sync); else every rank announces where ``data`` lies (none when
-    it is None: this rank's call cannot run zero-copy), syncs once, and gets every rank's
-    ``data`` when all agree, else False: every rank takes the copying path, and as every rank
-    synced once, the syncs still pair up. The copying path pays that sync above the size, a
-    few microseconds beside a megabyte's copies, and needs no pairing rule."""
-    if total_bytes < ZERO_COPY_BYTES:
+
+def _symmetric_inputs(arena, data: np.ndarray | None, total_bytes: int, most: float = float("inf")):
+    """The zero-copy decision of broadcast, all-gather and reduce-scatter. Outside
+    :data:`ZERO_COPY_BYTES` .. ``most`` (the same on every rank: ``total_bytes`` is the call's,
+    not this rank's): None, no announcement, no sync. Inside: every rank announces where
+    ``data`` lies (none when it is None: this rank's call cannot run zero-copy), syncs once,
+    and gets every rank's ``data`` when all agree, else False: every rank takes the copying
+    path, and as every rank synced once the syncs still pair up. The copying path pays that
+    sync inside the window, a few microseconds beside a megabyte's copies, and needs no
+    pairing rule."""
+    if not ZERO_COPY_BYTES <= total_bytes <= most:
         return None
     found = None if data is None else symmetric.locate(data, arena)
     peers = _announce_and_agree(arena, data, found)
@@ -334,7 +342,7 @@ def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
 
 
 def broadcast(arena, data: np.ndarray, src: int) -> None:
-    peers = _symmetric_inputs(arena, data, data.nbytes)
+    peers = _symmetric_inputs(arena, data, data.nbytes, BROADCAST_ZERO_COPY_MAX_BYTES)
     if peers:
         # Only the non-roots write, each its own array, which no peer reads; the sync keeps the
         # root until no peer reads its array.
