@@ -514,5 +514,100 @@ def test_arena_symmetric_all_reduce_matches_the_copying_path(size, n, offset, mo
         for r in range(size):
             np.testing.assert_array_equal(results[r][c], expected)
     one_shot_path = n * 4 * size <= one_shot and n * 4 <= 4096
-    agreed = all(m == "shared" for m in modes) and not one_shot_path
+    same_place = len(set(modes)) == 1 and modes[0] != "plain"  # every rank "elsewhere" agrees
+    agreed = same_place and not one_shot_path
     assert sorted(zero_copy) == (sorted(list(range(size)) * 2) if agreed else [])
+
+
+# -- symmetric allocations: zero-copy broadcast, all-gather and reduce-scatter ---------------------
+
+
+def _rank_order_block(inputs: np.ndarray, r: int, lo: int, hi: int) -> np.ndarray:
+    """Block ``r`` reduced as the copying reduce-scatter does: own first, then the others in
+    rank order."""
+    total = inputs[r, lo:hi].copy()
+    for j in range(len(inputs)):
+        if j != r:
+            total += inputs[j, lo:hi]
+    return total
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.integers(2, 4),
+    n=st.integers(1, 2000),
+    offset=st.integers(0, 300),
+    modes=st.lists(st.sampled_from(["shared", "shared", "plain", "elsewhere"]), min_size=4),
+    threshold=st.sampled_from([0, 1 << 30]),
+)
+def test_arena_symmetric_gather_scatter_broadcast_match_the_copying_path(
+    size, n, offset, modes, threshold
+):
+    """Broadcast, all-gather and reduce-scatter (uneven blocks) on a slice of each rank's
+    symmetric array (``shared``), a plain copy (``plain``) or another slice (``elsewhere``),
+    each twice in a row (the second call overwrites the inputs: no rank left while a peer still
+    read them): every rank gets numpy's answer bit for bit as the copying path computes it, and
+    the zero-copy path runs exactly when every rank passed the same slice above the size."""
+    modes = modes[:size]
+    blocks = [n + (q % 2) * 3 for q in range(size)]
+    bounds = np.concatenate([[0], np.cumsum(blocks)])
+    total = int(bounds[-1])
+    arenas = _thread_arenas(size, 4096)
+    arrays = _symmetric_arrays(arenas, offset + total + 7)
+    rng = np.random.default_rng(n + offset)
+    inputs = rng.standard_normal((2, size, total)).astype(np.float32)
+    agreed_calls = []
+    original = local._announce_and_agree
+
+    def counted(arena, data, found):
+        peers = original(arena, data, found)
+        agreed_calls.append(peers is not None)
+        return peers
+
+    def input_of(r, c, count):
+        at = offset + 7 if modes[r] == "elsewhere" else offset
+        x = arrays[r][at : at + count] if modes[r] != "plain" else np.empty(count, np.float32)
+        x[...] = inputs[c, r, :count]
+        return x
+
+    def rank_fn(a, r):
+        got = []
+        for c in range(2):
+            x = input_of(r, c, n)
+            _announce(a, 3, n)
+            local.broadcast(a, x, c % size)
+            got.append(("broadcast", x.copy()))
+            x = input_of(r, c, n)
+            outs = [np.zeros(n, np.float32) for _ in range(size)]
+            outs[r][...] = x
+            _announce(a, 4, n * size)
+            local.all_gather(a, outs, x)
+            got.append(("all_gather", np.stack(outs)))
+            x = input_of(r, c, total)
+            out = np.empty(blocks[r], np.float32)
+            _announce(a, 5, total)
+            local.reduce_scatter(
+                a, out, [x[bounds[q] : bounds[q + 1]] for q in range(size)], np.add
+            )
+            got.append(("reduce_scatter", out))
+        return got
+
+    default, local.ZERO_COPY_BYTES = local.ZERO_COPY_BYTES, threshold
+    local._announce_and_agree = counted
+    try:
+        results = _in_threads(arenas, rank_fn)
+    finally:
+        local.ZERO_COPY_BYTES = default
+        local._announce_and_agree = original
+    for r in range(size):
+        for c in range(2):
+            (_, bcast), (_, gathered), (_, reduced) = results[r][3 * c : 3 * c + 3]
+            np.testing.assert_array_equal(bcast, inputs[c, c % size, :n])
+            np.testing.assert_array_equal(gathered, inputs[c, :, :n])
+            lo, hi = bounds[r], bounds[r + 1]
+            np.testing.assert_array_equal(reduced, _rank_order_block(inputs[c], r, lo, hi))
+    agreed = len(set(modes)) == 1 and modes[0] != "plain"
+    if threshold:
+        assert agreed_calls == []
+    else:
+        assert agreed_calls == [agreed] * (6 * size)

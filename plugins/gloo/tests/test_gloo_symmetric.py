@@ -103,6 +103,45 @@ def _disagreements() -> tuple[list[int], list[int]]:
     return runs, on_sub
 
 
+def _gather_scatter_broadcast() -> list[bool]:
+    """Broadcast, all-gather and reduce-scatter through the public API on symmetric inputs
+    (into plain outputs) and on plain ones: numpy's answer either way; which ran zero-copy."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    n = 300_001
+    inputs = _inputs(n, size, 11)
+    agreed: list[bool] = []
+    original = local._announce_and_agree
+
+    def counted(arena, data, found):
+        peers = original(arena, data, found)
+        agreed.append(peers is not None)
+        return peers
+
+    local._announce_and_agree = counted
+    try:
+        for symmetric_input in (True, False):
+            x = pb.empty_symmetric(n, np.float32) if symmetric_input else np.empty(n, np.float32)
+            x[...] = inputs[rank]
+            pb.broadcast(x, src=1)
+            np.testing.assert_array_equal(x, inputs[1])
+            x[...] = inputs[rank]
+            outs = [np.empty(n, np.float32) for _ in range(size)]
+            pb.all_gather(outs, x)
+            np.testing.assert_array_equal(np.stack(outs), inputs)
+            out = np.empty(n // size, np.float32)
+            whole = x[: out.size * size]
+            pb.reduce_scatter(out, [whole[q * out.size : (q + 1) * out.size] for q in range(size)])
+            lo = rank * out.size
+            expected = inputs[rank, lo : lo + out.size].copy()
+            for j in range(size):
+                if j != rank:
+                    expected += inputs[j, lo : lo + out.size]
+            np.testing.assert_array_equal(out, expected)
+    finally:
+        local._announce_and_agree = original
+    return agreed
+
+
 def _unequal_shapes() -> str:
     rank = pb.get_rank()
     with pytest.raises(ValueError) as info:
@@ -125,6 +164,11 @@ def test_symmetric_all_reduce_on_two_ranks(pair):
     for report in got:
         assert report["zero_copy"] == [300_001, 300_001, 1_000_003, 1_000_003]
         assert report["live"] == 0, "the mappings went with the arrays"
+
+
+@pytest.mark.timeout(120)
+def test_symmetric_gather_scatter_broadcast_run_zero_copy(pair):
+    assert pair.run(_gather_scatter_broadcast) == [[True] * 3 + [False] * 3] * 2
 
 
 @pytest.mark.timeout(120)
