@@ -102,17 +102,19 @@ ZERO_COPY_BYTES = int(os.environ.get("PLURIBUS_GLOO_ZERO_COPY_BYTES", 1 << 20))
 BROADCAST_ZERO_COPY_MAX_BYTES = 8 << 20
 
 
-def _symmetric_inputs(arena, data: np.ndarray | None, total_bytes: int, most: float = float("inf")):
+def _symmetric_inputs(arena, eligible, total_bytes: int, most: float = float("inf")):
     """The zero-copy decision of broadcast, all-gather and reduce-scatter. Outside
     :data:`ZERO_COPY_BYTES` .. ``most`` (the same on every rank: ``total_bytes`` is the call's,
-    not this rank's): None, no announcement, no sync. Inside: every rank announces where
-    ``data`` lies (none when it is None: this rank's call cannot run zero-copy), syncs once,
+    not this rank's): None, no announcement, no sync, and ``eligible`` is not called (small
+    calls pay nothing). Inside: ``data = eligible()`` is the input peers would read (None when
+    this rank's call cannot run zero-copy); every rank announces where it lies, syncs once,
     and gets every rank's ``data`` when all agree, else False: every rank takes the copying
     path, and as every rank synced once the syncs still pair up. The copying path pays that
     sync inside the window, a few microseconds beside a megabyte's copies, and needs no
     pairing rule."""
     if not ZERO_COPY_BYTES <= total_bytes <= most:
         return None
+    data = eligible()
     found = None if data is None else symmetric.locate(data, arena)
     peers = _announce_and_agree(arena, data, found)
     return False if peers is None else peers
@@ -245,13 +247,15 @@ def _copy_out(state, region: int, p: int) -> None:
 
 
 def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None:
-    whole = _one_array(ins)
-    if whole is not None and any(
-        np.shares_memory(out, x) for q, x in enumerate(ins) if q != arena.rank
-    ):
-        whole = None  # peers would read what this rank writes
-    total = sum(x.nbytes for x in ins)
-    peers = _symmetric_inputs(arena, whole, total)
+    def eligible():
+        whole = _one_array(ins)
+        if whole is None or any(
+            np.shares_memory(out, x) for q, x in enumerate(ins) if q != arena.rank
+        ):
+            return None  # not one array, or peers would read what this rank writes
+        return whole
+
+    peers = _symmetric_inputs(arena, eligible, sum(x.nbytes for x in ins))
     if peers:
         _reduce_scatter_symmetric(arena, out, [x.size for x in ins], peers, ufunc)
         return
@@ -316,9 +320,12 @@ def _reduce_scatter_copying(arena, out: np.ndarray, ins: list[np.ndarray], ufunc
 
 def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
     r = arena.rank
-    same_sizes = all(o.size == src.size for o in outs)
-    overlaps = any(np.shares_memory(o, src) for q, o in enumerate(outs) if q != r)
-    eligible = src if same_sizes and not overlaps else None
+
+    def eligible():
+        same_sizes = all(o.size == src.size for o in outs)
+        overlaps = any(np.shares_memory(o, src) for q, o in enumerate(outs) if q != r)
+        return src if same_sizes and not overlaps else None
+
     peers = _symmetric_inputs(arena, eligible, sum(o.nbytes for o in outs))
     if peers:
         # Rank r reads every peer's input and writes only its outputs q != r, which overlap
@@ -342,7 +349,7 @@ def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
 
 
 def broadcast(arena, data: np.ndarray, src: int) -> None:
-    peers = _symmetric_inputs(arena, data, data.nbytes, BROADCAST_ZERO_COPY_MAX_BYTES)
+    peers = _symmetric_inputs(arena, lambda: data, data.nbytes, BROADCAST_ZERO_COPY_MAX_BYTES)
     if peers:
         # Only the non-roots write, each its own array, which no peer reads; the sync keeps the
         # root until no peer reads its array.
