@@ -262,11 +262,12 @@ def main() -> None:
     run = {"collectives", "overhead", "mlp"} if args.only is None else {args.only}
     ops = args.ops.split(",") if args.ops else None
     sizes = [s.strip() for s in args.sizes.split(",")] if args.sizes else None
+    ranks = [int(s) for s in args.ranks.split(",")]
     if "overhead" in run:
         for name, (med, best) in run_ranks(_overhead, 1, backend="gloo", env=ENV)[0].items():
             print(f"overhead  {name}: {med:.2f} us (fastest {best:.2f})")
     if "collectives" in run:
-        for p in [int(s) for s in args.ranks.split(",")]:
+        for p in ranks:
             options = (
                 {"ucc_cuda": True} if args.backend == "ucc" and args.device == "cuda" else None
             )
@@ -282,7 +283,7 @@ def main() -> None:
                     f"ratio {ratio:.3f} (fastest {ours[1] / hand[1]:.3f})"
                 )
     if "sweep" in run:
-        for p in [int(s) for s in args.ranks.split(",")]:
+        for p in ranks:
             rows = run_ranks(_out_of_place_sweep, p, backend="gloo", env=ENV, timeout=600,
                              args=(args.seconds / 4,))[0]  # fmt: skip
             for kib, t, ratios in rows:
@@ -294,7 +295,7 @@ def main() -> None:
                     f"out= {ratios['out=']:.3f}"
                 )
     if "gap" in run:
-        for p in [int(s) for s in args.ranks.split(",")]:
+        for p in ranks:
             times = run_ranks(_gap, p, backend="gloo", env=ENV, timeout=600,
                               args=(args.seconds,))[0]  # fmt: skip
             for name, (med, best) in times.items():

@@ -108,7 +108,7 @@ def _symmetric_inputs(arena, eligible, total_bytes: int, most: float = float("in
     not this rank's): None, no announcement, no sync, and ``eligible`` is not called (small
     calls pay nothing). Inside: ``data = eligible()`` is the input peers would read (None when
     this rank's call cannot run zero-copy); every rank announces where it lies, syncs once,
-    and gets every rank's ``data`` when all agree, else False: every rank takes the copying
+    and gets every rank's ``data`` when all agree, else None: every rank takes the copying
     path, and as every rank synced once the syncs still pair up. The copying path pays that
     sync inside the window, a few microseconds beside a megabyte's copies, and needs no
     pairing rule."""
@@ -116,8 +116,7 @@ def _symmetric_inputs(arena, eligible, total_bytes: int, most: float = float("in
         return None
     data = eligible()
     found = None if data is None else symmetric.locate(data, arena)
-    peers = _announce_and_agree(arena, data, found)
-    return False if peers is None else peers
+    return _announce_and_agree(arena, data, found)
 
 
 def _all_reduce_one_shot(arena, data: np.ndarray, ufunc, out: np.ndarray) -> None:
@@ -256,7 +255,7 @@ def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None
         return whole
 
     peers = _symmetric_inputs(arena, eligible, sum(x.nbytes for x in ins))
-    if peers:
+    if peers is not None:
         _reduce_scatter_symmetric(arena, out, [x.size for x in ins], peers, ufunc)
         return
     _reduce_scatter_copying(arena, out, ins, ufunc)
@@ -327,7 +326,7 @@ def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
         return src if same_sizes and not overlaps else None
 
     peers = _symmetric_inputs(arena, eligible, sum(o.nbytes for o in outs))
-    if peers:
+    if peers is not None:
         # Rank r reads every peer's input and writes only its outputs q != r, which overlap
         # no input (checked before announcing); the sync keeps it until no peer reads its input.
         for q, out in enumerate(outs):
@@ -350,7 +349,7 @@ def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
 
 def broadcast(arena, data: np.ndarray, src: int) -> None:
     peers = _symmetric_inputs(arena, lambda: data, data.nbytes, BROADCAST_ZERO_COPY_MAX_BYTES)
-    if peers:
+    if peers is not None:
         # Only the non-roots write, each its own array, which no peer reads; the sync keeps the
         # root until no peer reads its array.
         if arena.rank != src:
