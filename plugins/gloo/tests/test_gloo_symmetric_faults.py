@@ -10,6 +10,7 @@ function it calls there."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -112,6 +113,7 @@ def _zero_copy_while(name: str, victim: int, death: str) -> None:
 
 
 def _assert_survivors_name(info: pytest.ExceptionInfo, victim: int) -> None:
+    assert not multiprocessing.active_children(), "a rank's process is still running"
     errors = {e.rank: e for e in info.value.errors}
     assert sorted(errors) == list(range(WORLD)), info.value
     assert errors[victim].kind == "died", errors[victim]
