@@ -201,3 +201,43 @@ def test_fsdp_gathers_and_scatters_zero_copy_with_the_same_results(gloo_pair, st
         segment, unit = fast["largest"]
         assert first["buffers"] == 4 * (segment + in_flight * unit), f"rank {rank}"
         assert fast["shm_left"] == [] and slow["shm_left"] == []
+
+
+def unshard_all_on_rank() -> dict:
+    """Both large units' all-gathers in flight at once: the second finds the one all-gather
+    buffer lent and sends a plain array (the copying path); both give whole parameters, and
+    the buffer is lent again afterwards."""
+    model = make_model()
+    whole = {name: p.data.copy() for name, p in model.named_parameters()}
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    model.unshard()  # the root first runs: it finds its units and allocates their buffers
+    with ZeroCopyRecorder() as recorder:
+        model[0].unshard(async_op=True)
+        model[2].unshard(async_op=True)
+        model[0].unshard()
+        model[2].unshard()
+        gathered = {name: p.data.copy() for name, p in model.named_parameters() if p.data.ndim}
+        together = list(recorder.runs)
+        model[0].reshard()
+        model[2].reshard()
+        recorder.runs.clear()
+        model[2].unshard()
+        model[2].reshard()
+        return {
+            "together": together,
+            "after": list(recorder.runs),
+            "allocations": recorder.allocations,
+            "equal": [
+                bool(np.array_equal(gathered[n], whole[n])) for n in ("0.weight", "2.weight")
+            ],
+        }
+
+
+def test_gathers_beyond_the_buffers_take_the_copying_path(gloo_pair):
+    for result in gloo_pair.run(unshard_all_on_rank):
+        assert result["equal"] == [True, True]
+        assert result["together"] == [("all_gather", True), ("all_gather", False)]
+        assert result["after"] == [("all_gather", True)]
+        assert result["allocations"] == 0  # made when the root first ran, before the recorder
