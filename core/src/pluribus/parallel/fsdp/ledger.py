@@ -48,7 +48,7 @@ class MemoryLedger:
     """Counts the buffers of a root's units and their send buffers (held from their first
     use on); ``sample()`` updates the peaks."""
 
-    def __init__(self, units: list[Any], send_buffers: Any):
+    def __init__(self, units: list[Any], send_buffers: Any = None):
         self.units = units
         self.send_buffers = send_buffers
         self.reset_peak()
@@ -77,7 +77,7 @@ class MemoryLedger:
         gradients += add(p.param.grad for u in units for p in u.pieces)
         gradients += add(a for u in units for a in arrays_in(u._stash))
         gradients += add(u._reduction[1] for u in units if u._reduction is not None)
-        buffers = add(self.send_buffers.allocated)
+        buffers = add(self.send_buffers.allocated if self.send_buffers is not None else ())
         buffers += add(u.compute_flat for u in units)
         buffers += add(a for u in units if u._gather is not None for a in arrays_in(u._gather[1:]))
         buffers += add(u._reduction[2] for u in units if u._reduction is not None)
