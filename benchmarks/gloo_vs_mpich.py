@@ -21,8 +21,9 @@ on an array from ``pluribus.empty_symmetric``, which gloo reduces on one host wi
 it into its segment first, printed beside the plain array's time with its ratio to MPICH.
 Memory traffic per byte of the array, per rank, at ``p`` ranks (a model: bytes read plus bytes
 written, the arithmetic free). The copying path copies the ``(p-1)/p`` it does not reduce into
-its slot (2(p-1)/p), reduces its part out of ``p`` sources into its slot (1 + 1/p) and copies
-everything out (2): 4.5 at 2 ranks. The symmetric path only reduces (1 + 1/p, into the array
+its slot (2(p-1)/p), reduces its part out of ``p`` sources into its slot (1 + 1/p), copies that
+part into the array while it is in cache (1/p, the write) and the peers' parts out of their
+slots (2(p-1)/p): 4 at 2 ranks, 4.5 at 4. The symmetric path only reduces (1 + 1/p, into the array
 itself) and copies the peers' parts out of their arrays (2(p-1)/p): 2.5 at 2 ranks, 2.75 at
 4. MPICH's single-copy all-reduce is about 3.5.
 """

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The figures that need a machine with more cores than the 2-core development VM, in one run:
-# gloo against MPICH on one host (plain arrays and empty_symmetric arrays, 2, 4 and 8 ranks) and
-# DTensor redistribute against the collective by hand (64 KiB and 16 MiB, 2 and 4 ranks).
+# gloo against MPICH on one host (all-reduce bandwidth on plain arrays and empty_symmetric arrays,
+# and latency, at 2, 4 and 8 ranks; the other collectives at 2) and DTensor redistribute against
+# the collective by hand (64 KiB and 16 MiB, 2 and 4 ranks).
 # Everything it prints goes to one log under $OUT (default benchmarks/results), with the load
 # and the CPU model. Needs mpi4py + mpich in the Python it runs (PYTHON, default .venv's).
 #
@@ -28,6 +29,13 @@ LOG="$OUT/many-cores-$(date -u +%Y%m%dT%H%M%SZ).log"
                 -e 64M -f 2 --symmetric
         done
     done
+    for n in $RANKS; do
+        echo "## gloo vs MPICH latency, $n ranks: $(uptime)"
+        "$MPIEXEC" -n "$n" "$PYTHON" benchmarks/gloo_vs_mpich.py -C all_reduce -b 256 -e 256K -f 4
+    done
+    echo "## gloo vs MPICH, the other collectives, 2 ranks: $(uptime)"
+    "$MPIEXEC" -n 2 "$PYTHON" benchmarks/gloo_vs_mpich.py \
+        -C reduce_scatter,all_gather,broadcast -b 256K -e 64M -f 4
     echo "## DTensor redistribute vs by hand: $(uptime)"
     "$PYTHON" benchmarks/dtensor_redistribute.py --only collectives --ranks 2,4 --seconds 2
     echo "## DTensor fixed cost: $(uptime)"

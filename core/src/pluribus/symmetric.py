@@ -4,7 +4,7 @@ backend can read on every peer.
 A collective on ordinary arrays must first copy each rank's input somewhere its peers can read
 it (a shared-memory slot, a socket). When the arrays themselves live in memory every peer has
 mapped, that copy goes: gloo's all-reduce on one host then reduces each rank's part straight
-out of the peers' arrays (about 2.5 bytes of memory traffic per byte instead of 4.5). The idea
+out of the peers' arrays (about 2.5 bytes of memory traffic per byte instead of 4). The idea
 and the name are the field's: NCCL's ``ncclMemAlloc`` with window registration, torch's
 ``torch.distributed._symmetric_memory``, MPI's ``MPI_Win_allocate_shared``.
 

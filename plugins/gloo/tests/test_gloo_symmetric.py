@@ -1,9 +1,11 @@
-"""Symmetric memory on gloo with real processes: ``pluribus.empty_symmetric`` gives arrays that
-every rank has mapped, the in-place all-reduce on them runs without copying in (and gives the
-copying path's answer bit for bit), ranks that disagree fall back together, bad input is
-refused on every rank naming the ranks, and no segment is left in /dev/shm, also when a rank
-dies. (The algorithm itself, with random sizes, offsets and disagreements, is checked in
-test_gloo_arena.py.)"""
+"""Symmetric memory on gloo: ``pluribus.empty_symmetric`` gives arrays that every rank has mapped,
+the in-place all-reduce on them runs without copying in (and gives the copying path's answer
+bit for bit), broadcast runs zero-copy exactly inside its window, sub-groups (also disjoint ones
+at once) get their own allocations, ranks that disagree or pass another group's array fall back
+together, bad input is refused on every rank naming the ranks, the group's store does not grow
+with the number of allocations, and no segment is left in /dev/shm. (The algorithm itself, with
+random sizes, offsets and disagreements, is checked in test_gloo_arena.py; failures in
+test_gloo_symmetric_faults.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import os
 import numpy as np
 import pluribus as pb
 import pytest
-from pluribus.testing import RankPool, RanksFailed, run_ranks
+from pluribus.testing import RankPool, run_ranks
 from pluribus_gloo import local, symmetric
 
 
@@ -34,6 +36,26 @@ def _zero_copy_runs():
         yield runs
     finally:
         local._all_reduce_symmetric = original
+
+
+@contextlib.contextmanager
+def _agreements():
+    """Note, for every zero-copy decision this rank takes inside the block (each collective on
+    the arena that announced where its input lies), whether every rank agreed: True means the
+    collective ran zero-copy."""
+    agreed: list[bool] = []
+    original = local._announce_and_agree
+
+    def counted(arena, data, found):
+        peers = original(arena, data, found)
+        agreed.append(peers is not None)
+        return peers
+
+    local._announce_and_agree = counted
+    try:
+        yield agreed
+    finally:
+        local._announce_and_agree = original
 
 
 def _inputs(n: int, size: int, seed: int) -> np.ndarray:
@@ -109,16 +131,7 @@ def _gather_scatter_broadcast() -> list[bool]:
     rank, size = pb.get_rank(), pb.get_world_size()
     n = 300_001
     inputs = _inputs(n, size, 11)
-    agreed: list[bool] = []
-    original = local._announce_and_agree
-
-    def counted(arena, data, found):
-        peers = original(arena, data, found)
-        agreed.append(peers is not None)
-        return peers
-
-    local._announce_and_agree = counted
-    try:
+    with _agreements() as agreed:
         for symmetric_input in (True, False):
             x = pb.empty_symmetric(n, np.float32) if symmetric_input else np.empty(n, np.float32)
             x[...] = inputs[rank]
@@ -137,9 +150,82 @@ def _gather_scatter_broadcast() -> list[bool]:
                 if j != rank:
                     expected += inputs[j, lo : lo + out.size]
             np.testing.assert_array_equal(out, expected)
-    finally:
-        local._announce_and_agree = original
     return agreed
+
+
+def _broadcast_around_the_window(floor: int, cap: int) -> list[str]:
+    """Broadcasts of symmetric arrays just below, at and just above both ends of the zero-copy
+    window (``floor`` .. ``cap`` bytes, set small here): numpy's answer each time, and which
+    path each took."""
+    rank, size = pb.get_rank(), pb.get_world_size()
+    window = local.ZERO_COPY_BYTES, local.BROADCAST_ZERO_COPY_MAX_BYTES
+    local.ZERO_COPY_BYTES, local.BROADCAST_ZERO_COPY_MAX_BYTES = floor, cap
+    paths = []
+    try:
+        for nbytes in (floor - 4, floor, cap - 4, cap, cap + 4):
+            n = nbytes // 4
+            inputs = _inputs(n, size, n)
+            x = pb.empty_symmetric(n, np.float32)
+            x[...] = inputs[rank]
+            with _agreements() as agreed:
+                pb.broadcast(x, src=1)
+            np.testing.assert_array_equal(x, inputs[1], err_msg=f"{nbytes} bytes")
+            paths.append("zero-copy" if agreed == [True] else f"copying {agreed}")
+    finally:
+        local.ZERO_COPY_BYTES, local.BROADCAST_ZERO_COPY_MAX_BYTES = window
+    return paths
+
+
+def _sub_groups() -> dict:
+    """Ranks {1, 2} of 4, then the pairs {0, 1} and {2, 3} at once, allocate on their group
+    and all-reduce and all-gather zero-copy on it; then arrays of one group used on another
+    (the world's on a pair, a pair's on the world, two pairs' on {1, 2}): the copying path,
+    and numpy's answer every time."""
+    rank = pb.get_rank()
+    n = 300_001
+    inputs = _inputs(n, 4, 5)
+    middle = pb.new_group([1, 2])
+    pairs = [pb.new_group([0, 1]), pb.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    mates = [2 * (rank // 2), 2 * (rank // 2) + 1]
+
+    def reduce_and_gather(x, group, members):
+        x[...] = inputs[rank]
+        outs = [np.empty(n, np.float32) for _ in members]
+        pb.all_gather(outs, x, group=group)
+        np.testing.assert_array_equal(np.stack(outs), inputs[members])
+        pb.all_reduce(x, group=group)
+        np.testing.assert_array_equal(x, _in_rank_order(inputs[members]))
+
+    with _agreements() as on_own_group:
+        if rank in (1, 2):
+            reduce_and_gather(pb.empty_symmetric(n, np.float32, group=middle), middle, [1, 2])
+        mine = pb.empty_symmetric(n, np.float32, group=pair)
+        reduce_and_gather(mine, pair, mates)
+    world = pb.empty_symmetric(n, np.float32)
+    with _agreements() as elsewhere:
+        reduce_and_gather(world, pair, mates)
+        reduce_and_gather(mine, None, [0, 1, 2, 3])
+        if rank in (1, 2):
+            reduce_and_gather(mine, middle, [1, 2])
+    for group in (middle, *pairs):
+        pb.destroy_process_group(group)
+    return {"own group": on_own_group, "another group": elsewhere}
+
+
+def _allocations_grow_the_store(k: int) -> int:
+    """How many keys ``k`` allocations (after a first one) add to the group's store."""
+    store = pb.get_default_group().store
+    arena = pb.get_default_group().backends["cpu"].arena
+    pb.empty_symmetric(10, np.float32)
+    pb.barrier()
+    before = store.num_keys()
+    pb.barrier()  # nobody allocates before every rank counted
+    for i in range(k):
+        x = pb.empty_symmetric(1000 + i, np.float32)
+        assert symmetric.locate(x, arena) is not None, "not a symmetric allocation"
+    pb.barrier()
+    return store.num_keys() - before
 
 
 def _unequal_shapes() -> str:
@@ -191,44 +277,24 @@ def test_symmetric_all_reduce_on_four_ranks():
         assert report["zero_copy"] == [600_001, 600_001]
 
 
-def _dies_while_mapping() -> None:
-    if pb.get_rank() == 1:  # dies once rank 0 created the segment and named it
-        symmetric.shm.open_mapping = lambda name, nbytes: os._exit(3)
-    pb.empty_symmetric(1 << 20, np.float32)
+@pytest.mark.timeout(120)
+def test_broadcast_runs_zero_copy_exactly_inside_its_window(pair):
+    """The cap (``BROADCAST_ZERO_COPY_MAX_BYTES``) and the floor (``ZERO_COPY_BYTES``) are
+    inclusive; just outside either, the copying path gives the same answer."""
+    expected = ["copying []", "zero-copy", "zero-copy", "zero-copy", "copying []"]
+    assert pair.run(_broadcast_around_the_window, 16 << 10, 64 << 10) == [expected] * 2
+
+
+@pytest.mark.timeout(120)
+def test_sub_groups_allocate_and_run_zero_copy_on_their_own_arrays_only():
+    got = run_ranks(_sub_groups, 4, "gloo", "processes", timeout=90)
+    for rank, report in enumerate(got):
+        assert report["own group"] == [True] * (4 if rank in (1, 2) else 2), (rank, report)
+        assert not any(report["another group"]), (rank, report)
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_that_dies_leaves_no_segment_behind():
-    """Rank 0 creates the segment and waits for rank 1, which died: it raises naming rank 1
-    within seconds and unlinks the segment (the autouse fixture checks /dev/shm)."""
-    with pytest.raises(RanksFailed) as info:
-        run_ranks(_dies_while_mapping, 2, "gloo", "processes", timeout=30)
-    errors = {e.rank: e for e in info.value.errors}
-    assert errors[0].kind == "PeerError" and "rank 1" in errors[0].message, errors[0]
-
-
-def _symmetric_against(other: str) -> None:
-    """Rank 0 reduces a symmetric array; rank 1 runs ``other`` (or dies) instead."""
-    x = pb.empty_symmetric(1 << 18, np.float32)
-    x[...] = 1
-    if pb.get_rank() == 0:
-        pb.all_reduce(x)
-    elif other == "dies":
-        os._exit(3)
-    else:
-        pb.broadcast(x, 0)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("other, kind", [("broadcast", "CollectiveMismatchError"), ("dies", "")])
-def test_the_zero_copy_path_keeps_the_arenas_promises(other, kind):
-    """A peer that calls another collective is a mismatch on every rank; a peer that dies is a
-    PeerError naming it; both within seconds, not at the timeout (90 s)."""
-    with pytest.raises(RanksFailed) as info:
-        run_ranks(_symmetric_against, 2, "gloo", "processes", timeout=90, args=(other,))
-    errors = {e.rank: e for e in info.value.errors}
-    if kind:
-        assert [errors[r].kind for r in (0, 1)] == [kind, kind], errors
-        assert "all_reduce" in errors[0].message and "broadcast" in errors[0].message
-    else:
-        assert errors[0].kind == "PeerError" and "rank 1" in errors[0].message, errors[0]
+def test_allocations_do_not_grow_the_store():
+    """The group's store (a HashStore shared by thread ranks, so that it can be counted) holds
+    no more keys after 20 allocations than before them."""
+    assert run_ranks(_allocations_grow_the_store, 2, "gloo", "threads", args=(20,)) == [0, 0]

@@ -82,8 +82,13 @@ def _control_bytes(size: int) -> int:
 class Arena:
     """One rank's view of its group's segment."""
 
-    def __init__(self, segment: mmap.mmap, size: int, rank: int, half: int, engine, ranks, timeout):
+    def __init__(
+        self, segment: mmap.mmap, size: int, rank: int, half: int, engine, ranks, timeout, name=""
+    ):
         self.group_name = ""  # for error messages
+        #: the segment's name (gone from /dev/shm once every member mapped it): unique on this
+        #: host, and known to every member, so symmetric allocations derive theirs from it
+        self.name = name
         self.segment = segment
         self.timeout = timeout
         self.size = size
@@ -390,7 +395,7 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
         segment = shm.map_if_possible(name, total, "the group's shared memory") if name else None
         store.set(f"arena/mapped/{rank}", "1" if segment is not None else "0")
         if name and store.get("arena/verdict", timeout) == b"1":
-            return Arena(segment, size, rank, half, engine, ranks, timeout)
+            return Arena(segment, size, rank, half, engine, ranks, timeout, name)
         if segment is not None:
             segment.close()
         return None
@@ -416,4 +421,4 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
     if not mapped:
         segment.close()
         return None
-    return Arena(segment, size, rank, half, engine, ranks, timeout)
+    return Arena(segment, size, rank, half, engine, ranks, timeout, name)

@@ -165,15 +165,13 @@ class GlooBackend(Backend):
         )
         #: the group's shared segment when every member is on this host (see :mod:`.arena`)
         self.arena = None
-        #: the group's store (set with the arena) and how many symmetric allocations the group
-        #: made (:mod:`.symmetric`; the same count on every member)
-        self.store = None
+        #: how many symmetric allocations the group made (:mod:`.symmetric`; the same count on
+        #: every member)
         self.symmetric_allocations = 0
         self._last_signature: tuple = (None, None, 0, 0, None)
 
     def attach_arena(self, store, options: dict) -> None:
         """Agree with the other members on a shared segment; every member calls it."""
-        self.store = store
         arena = open_arena(self.engine, self.ranks, self.rank, store, self.timeout, options)
         if arena is not None:
             arena.group_name = self.group_name

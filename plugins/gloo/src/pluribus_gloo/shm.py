@@ -48,11 +48,12 @@ def segment_size(capacity: int) -> int:
     return 2 * (CONTROL_BYTES + capacity)
 
 
-def create_mapping(nbytes: int, reserve: bool = False) -> tuple[str, mmap.mmap]:
-    """Create and map a fresh segment of ``nbytes``; the caller unlinks it. ``reserve`` takes
-    the pages now, so that a full /dev/shm is an OSError here rather than a SIGBUS when a page
-    is first touched (worth it for large segments that user data lives in)."""
-    name = f"/plrb-{os.getpid()}-{secrets.token_hex(6)}"
+def create_mapping(nbytes: int, reserve: bool = False, name: str = "") -> tuple[str, mmap.mmap]:
+    """Create and map a fresh segment of ``nbytes`` (named ``name``, else a new unique name);
+    the caller unlinks it. ``reserve`` takes the pages now, so that a full /dev/shm is an
+    OSError here rather than a SIGBUS when a page is first touched (worth it for large
+    segments that user data lives in)."""
+    name = name or f"/plrb-{os.getpid()}-{secrets.token_hex(6)}"
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, nbytes)

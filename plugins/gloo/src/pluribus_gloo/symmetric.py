@@ -4,11 +4,13 @@ whether an array lies in one.
 
 Member ``j``'s array starts at ``j * stride`` (page-aligned) in the segment, and every member maps
 the whole segment, so each can read every peer's array at the same offset in its own mapping.
-The segment is created by the group's rank 0 and named through the group's store, as the
-arena's (:func:`pluribus_gloo.arena.open_arena`): between two barriers on the arena (which keep
-its timeout and dead-peer promises) every member maps it, then it is unlinked, so it never
-outlives the processes. A member that also learnt the name unlinks it too, in case rank 0 died
-before it could. When any member fails to map it, every member gets a plain ``np.empty``.
+The segment's name is the arena's with the group's count of allocations appended, so every
+member knows it without asking the store (nothing is written there, and a survivor can unlink
+it even when rank 0 died having just created it). Rank 0 creates it; after a barrier on the
+arena the others map it; a one-element all-reduce then tells every member whether all mapped
+it (each syncs on the arena, so both keep its timeout and dead-peer promises), and every member
+unlinks it, also when the call fails, so it never outlives the processes. When any member
+fails to map it, every member gets a plain ``np.empty``.
 
 The array a member gets is a view of its mapping and keeps it alive; the registry holds only a
 weak reference, and forgets the allocation when the mapping goes.
@@ -24,8 +26,9 @@ import threading
 import weakref
 
 import numpy as np
+from pluribus.types import ReduceOp
 
-from . import shm, wire
+from . import shm
 
 log = logging.getLogger("pluribus.gloo")
 
@@ -108,49 +111,43 @@ def allocate(backend, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     stride = -(-nbytes // PAGE) * PAGE
     total = stride * arena.size
     backend.symmetric_allocations += 1
-    key = f"symmetric/{backend.symmetric_allocations}"
-    store, timeout, rank = backend.store, backend.timeout, arena.rank
-    name, segment = "", None
+    number = backend.symmetric_allocations
+    name = f"{arena.name}-{number}"
+    segment = None
     try:
-        if rank == 0:
-            try:
-                name, segment = shm.create_mapping(total, reserve=True)
-            except OSError as exc:
-                log.info("gloo: cannot create %d bytes of symmetric memory (%s)", total, exc)
-            store.set(f"{key}/name", name)
-        _barrier(backend)  # the name is in the store
-        if rank != 0:
-            name = store.get(f"{key}/name", timeout).decode()
-            if name:
-                segment = shm.map_if_possible(name, total, "symmetric memory")
-        store.set(f"{key}/mapped/{rank}", "1" if segment is not None else "0")
-        _barrier(backend)  # every member has mapped it, or failed to
+        if arena.rank == 0:
+            segment = _create(name, total)
+        backend.barrier()  # the segment exists, or rank 0 could not make it
+        if arena.rank != 0:
+            segment = shm.map_if_possible(name, total, "symmetric memory")
+        everyone = _all_mapped(backend, segment is not None)
     except BaseException:
-        if rank != 0 and not name:  # rank 0 may have died holding the name
-            try:
-                name = store.get(f"{key}/name", 0.5).decode()
-            except Exception:
-                pass
         if segment is not None:
             segment.close()
         raise
     finally:
-        if name:
-            shm.unlink(name)
-    mapped = [store.get(f"{key}/mapped/{j}", timeout) == b"1" for j in range(arena.size)]
-    if not all(mapped):
+        shm.unlink(name)  # on every member: the survivors' job when rank 0 died
+    if not everyone:
         if segment is not None:
             segment.close()
         return np.empty(shape, dtype)
-    array = np.frombuffer(segment, dtype=dtype, count=math.prod(shape), offset=rank * stride)
+    array = np.frombuffer(segment, dtype=dtype, count=math.prod(shape), offset=arena.rank * stride)
     start = array.__array_interface__["data"][0]
-    allocation = Allocation(
-        backend.symmetric_allocations, arena, stride, start, start + nbytes, segment
-    )
-    _register(allocation, segment)
+    _register(Allocation(number, arena, stride, start, start + nbytes, segment), segment)
     return array.reshape(shape)
 
 
-def _barrier(backend) -> None:
-    backend._arena_call(wire.BARRIER, np.dtype(np.uint8), None, 0)
-    backend.arena.sync()
+def _create(name: str, nbytes: int) -> mmap.mmap | None:
+    try:
+        return shm.create_mapping(nbytes, reserve=True, name=name)[1]
+    except OSError as exc:
+        log.info("gloo: cannot create %d bytes of symmetric memory (%s)", nbytes, exc)
+        return None
+
+
+def _all_mapped(backend, mapped: bool) -> bool:
+    """Whether every member mapped the segment (a one-element MIN all-reduce on the arena);
+    once it returns, no member opens the segment's name any more."""
+    flag = np.array([mapped], np.uint8)
+    backend.all_reduce(flag, ReduceOp.MIN)
+    return bool(flag[0])
