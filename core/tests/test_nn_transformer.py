@@ -1,6 +1,8 @@
 """The small GPT and what the parallel layers need from modules: gradients against finite
 differences in float64, split backward, hooks, activation checkpointing, memory accounting."""
 
+import mmap
+
 import numpy as np
 import pytest
 from pluribus import nn
@@ -245,6 +247,15 @@ def test_memory_report_counts_each_buffer_once():
     assert after.activations == 0  # backward released what forward kept
     assert after.peak_rss >= after.total
     assert "parameters" in str(after)
+
+
+def test_memory_report_counts_an_array_made_from_a_larger_buffer_as_itself():
+    """As a symmetric array is: made from a memoryview of a segment holding every rank's."""
+    segment = mmap.mmap(-1, 4 * 4096)
+    mine = np.frombuffer(segment, np.float32, count=1024, offset=4096)
+    model = nn.Linear(32, 32, rng=0)
+    model.weight.grad = mine.reshape(32, 32)
+    assert nn.memory_report(model).gradients == mine.nbytes == 4096
 
 
 def test_gpt_learns_to_copy_a_repeating_sequence():

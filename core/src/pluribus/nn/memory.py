@@ -19,8 +19,11 @@ from .module import Module
 
 
 def base_buffer(array: Any) -> Any:
-    """The array that owns ``array``'s memory (views count as their base)."""
-    while getattr(array, "base", None) is not None and hasattr(array.base, "nbytes"):
+    """The array that owns ``array``'s memory (views count as their base), but not the buffer
+    that array was made from: a symmetric array (:func:`pluribus.empty_symmetric`) is made
+    from a memoryview of one shared segment holding every rank's array, and this rank holds
+    only its own."""
+    while getattr(array, "base", None) is not None and hasattr(array.base, "dtype"):
         array = array.base
     return array
 

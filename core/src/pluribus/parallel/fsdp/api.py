@@ -28,6 +28,7 @@ from typing import Any
 from ... import distributed as dist
 from ...device_mesh import DeviceMesh, init_device_mesh
 from ...nn.module import Module
+from .buffers import SendBuffers
 from .ledger import LedgerReport, MemoryLedger
 from .policy import STRATEGIES, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from .unit import Unit
@@ -35,7 +36,7 @@ from .unit import Unit
 
 class _RootState:
     """What the units below one root share: their order, the reductions in flight, the
-    ledger, and whether this backward synchronises gradients."""
+    send buffers, the ledger, and whether this backward synchronises gradients."""
 
     def __init__(self, root: Module, prefetch: bool):
         self.root_unit: Unit = root._fsdp_unit
@@ -59,7 +60,8 @@ class _RootState:
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []
         self.reductions: list[Unit] = []
-        self.ledger = MemoryLedger(self.units)
+        self.send_buffers = SendBuffers(self.units)
+        self.ledger = MemoryLedger(self.units, self.send_buffers)
 
     def next_in_forward(self, unit: Unit) -> Unit | None:
         order = self.last_forward_order

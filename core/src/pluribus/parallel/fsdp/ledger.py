@@ -24,7 +24,7 @@ class LedgerReport:
     parameters: int
     gradients: int
     optimizer_state: int
-    buffers: int  # gathered parameters and packed gradients in flight
+    buffers: int  # gathered parameters, all-gathers in flight, the send buffers
     peak_parameters: int
     peak_gradients: int
     peak_buffers: int
@@ -45,10 +45,12 @@ class LedgerReport:
 
 
 class MemoryLedger:
-    """Counts the buffers of a root's units; ``sample()`` updates the peaks."""
+    """Counts the buffers of a root's units and their send buffers (held from their first
+    use on); ``sample()`` updates the peaks."""
 
-    def __init__(self, units: list[Any]):
+    def __init__(self, units: list[Any], send_buffers: Any = None):
         self.units = units
+        self.send_buffers = send_buffers
         self.reset_peak()
 
     def reset_peak(self) -> None:
@@ -75,7 +77,8 @@ class MemoryLedger:
         gradients += add(p.param.grad for u in units for p in u.pieces)
         gradients += add(a for u in units for a in arrays_in(u._stash))
         gradients += add(u._reduction[1] for u in units if u._reduction is not None)
-        buffers = add(u.compute_flat for u in units)
+        buffers = add(self.send_buffers.allocated if self.send_buffers is not None else ())
+        buffers += add(u.compute_flat for u in units)
         buffers += add(a for u in units if u._gather is not None for a in arrays_in(u._gather[1:]))
         buffers += add(u._reduction[2] for u in units if u._reduction is not None)
         buffers += add(arrays_in(extra))

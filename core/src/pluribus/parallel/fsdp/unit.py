@@ -6,12 +6,17 @@ shard dimension of the mesh (uneven and empty pieces allowed) and stays a ``Para
 its own name: between steps ``param.data`` is this rank's rows, so the optimizer updates shards
 in place and never sees a flat buffer. The flat buffers are the unit's business:
 
-- the all-gather sends this rank's pieces of every parameter packed together, plus one tag
-  element (the unit's index), and receives every rank's segment; the pieces are then copied
-  into one parameter-major buffer of which each parameter's ``.data`` is a view. The tags are
-  what turns ranks that run different units into an error naming the unit and the ranks.
-- the reduce-scatter packs the full gradients rank-major and leaves this rank's rows of every
+- the all-gather sends this rank's pieces of every parameter packed together into a segment
+  as long as the longest rank's (so that every rank sends the same size), the last element a
+  tag (the unit's index), and receives every rank's segment; the pieces are then copied into
+  one parameter-major buffer of which each parameter's ``.data`` is a view. The tags are what
+  turns ranks that run different units into an error naming the unit and the ranks.
+- the reduce-scatter packs the full gradients rank-major (in the group's rank order, so that
+  the blocks lie back to back as the backend reads them) and leaves this rank's rows of every
   parameter's averaged gradient in one buffer of which each ``.grad`` is a view.
+
+The arrays the peers read (both collectives' inputs) are lent by the root's
+:class:`~.buffers.SendBuffers`: symmetric memory, reused every step.
 """
 
 from __future__ import annotations
@@ -101,6 +106,12 @@ class Unit:
             for k in range(self.n):
                 piece.segment_offsets[k] = self.counts[k]
                 self.counts[k] += piece.piece_numel(k)
+        self.segment = max(self.counts) + 1  # each rank's all-gather segment, the tag last
+        self.scatter_starts = [0] * self.n  # each rank's block in the reduce-scatter input
+        start = 0
+        for k in sorted(range(self.n), key=lambda k: self.perm[k]):
+            self.scatter_starts[k] = start
+            start += self.counts[k]
         # state between calls
         self.gathered = False  # .data are the full (compute-dtype) arrays
         self._gather: tuple | None = None  # an all-gather in flight
@@ -164,7 +175,7 @@ class Unit:
     # -- all-gather ---------------------------------------------------------------------------
 
     def _pack_shards(self, arrays: list[Any], dtype: Any) -> Any:
-        send = self.xp.empty(self.counts[self.me] + 1, dtype)
+        send = self.root.send_buffers.take("all_gather", self, dtype, self.segment)
         for piece, array in zip(self.pieces, arrays, strict=True):
             view = self._segment_view(send, piece, self.me)
             view[...] = self.xp.asarray(array) if self.offload else array
@@ -173,20 +184,18 @@ class Unit:
 
     def _start_gather(self, arrays: list[Any], dtype: Any) -> tuple:
         send = self._pack_shards(arrays, dtype)
-        recv = self.xp.empty(sum(self.counts) + self.n, dtype)
-        segments, start = [], 0
-        for k in range(self.n):
-            segments.append(recv[start : start + self.counts[k] + 1])
-            start += self.counts[k] + 1
+        length = self.segment
+        recv = self.xp.empty(length * self.n, dtype)
+        segments = [recv[k * length : (k + 1) * length] for k in range(self.n)]
         outputs = [None] * self.n
         for k, segment in enumerate(segments):
             outputs[self.perm[k]] = segment
         work = dist.all_gather(outputs, send, group=self.group, async_op=True)
         return work, segments, send
 
-    def _finish_gather(self, pending: tuple, target_flat: Any, skip_own: bool) -> None:
-        work, segments, _ = pending
-        started = time.perf_counter()
+    def _wait_gather(self, pending: tuple) -> None:
+        """Wait for an all-gather, give its send buffer back and check every rank's tag."""
+        work, segments, send = pending
         try:
             work.wait()
         except ValueError as exc:  # the backend saw segments of other sizes than this unit's
@@ -196,8 +205,14 @@ class Unit:
                 f"{names.get(self.index, self.name)!r} met one of another size ({exc}); ranks "
                 "ran different units. Run the same units in the same order on every rank"
             ) from exc
-        self.gather_wait_s += time.perf_counter() - started
+        self.root.send_buffers.give_back(send)
         self._check_tags(segments)
+
+    def _finish_gather(self, pending: tuple, target_flat: Any, skip_own: bool) -> None:
+        segments = pending[1]
+        started = time.perf_counter()
+        self._wait_gather(pending)
+        self.gather_wait_s += time.perf_counter() - started
         for piece in self.pieces:
             full = self._full_view(target_flat, piece)
             for k, segment in enumerate(segments):
@@ -264,8 +279,7 @@ class Unit:
         """Point ``.data`` back at the shards and free the gathered parameters."""
         if self._gather is not None:  # a prefetch nobody used: finish it so ranks stay matched
             pending, self._gather = self._gather, None
-            pending[0].wait()
-            self._check_tags(pending[1])
+            self._wait_gather(pending)
         for piece, view in zip(self.pieces, self.shard_views, strict=True):
             piece.param.data = view
         self.compute_flat = None
@@ -304,11 +318,13 @@ class Unit:
             return
         xp, full = self.xp, self.full_grad_flat
         if self.n > 1:
-            send = xp.empty(sum(self.counts), self.reduce_dtype)
-            segments, start = [], 0
-            for k in range(self.n):
-                segments.append(send[start : start + self.counts[k]])
-                start += self.counts[k]
+            send = self.root.send_buffers.take(
+                "reduce_scatter", self, self.reduce_dtype, sum(self.counts)
+            )
+            segments = [
+                send[start : start + count]
+                for start, count in zip(self.scatter_starts, self.counts, strict=True)
+            ]
             for piece in self.pieces:
                 grad = self._full_view(full, piece)
                 for k, segment in enumerate(segments):
@@ -342,9 +358,11 @@ class Unit:
         ``.grad`` (added to the gradient shards of earlier backwards, if not zeroed)."""
         if self._reduction is None:
             return
-        (work, out, _), self._reduction = self._reduction, None
+        (work, out, send), self._reduction = self._reduction, None
         if work is not None:
             work.wait()
+        if send is not None:
+            self.root.send_buffers.give_back(send)
         later_dims = self.replicate_dims if self.n > 1 else self.replicate_dims[1:]
         for dim in later_dims:
             dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self.mesh.get_group(dim))
