@@ -178,6 +178,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+#: glibc's tunable that keeps ``memmove`` off ``rep movsb``: on AMD's x86 CPUs a copy of 4 KiB
+#: to about 1 MiB whose destination starts 1-31 bytes past its source modulo 4 KiB runs there
+#: about ten times slower, and two same-sized arrays allocated one after the other on glibc's
+#: heap are 16 bytes apart (``benchmarks/copy_distance.py``). Vector copies cost the same at
+#: every distance.
+REP_MOVSB_OFF = "glibc.cpu.x86_rep_movsb_threshold=4294967295"
+
+
+def glibc_tunables_for_ranks(env: dict[str, str], cpuinfo: str | None = None) -> str | None:
+    """The ``GLIBC_TUNABLES`` a rank should start with on this host, or None to leave it as it
+    is: on AMD x86 CPUs, the user's tunables plus :data:`REP_MOVSB_OFF`, unless the user set
+    ``x86_rep_movsb_threshold`` themselves. ``cpuinfo``: /proc/cpuinfo's text (read when None)."""
+    existing = env.get("GLIBC_TUNABLES", "")
+    if "x86_rep_movsb_threshold" in existing:
+        return None
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    if "AuthenticAMD" not in cpuinfo:
+        return None
+    return f"{existing}:{REP_MOVSB_OFF}" if existing else REP_MOVSB_OFF
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -271,6 +296,9 @@ class Launcher:
                 f"note: OMP_NUM_THREADS={threads} for each rank ({self.nproc} ranks on {cores} "
                 "cores would fight over them); set OMP_NUM_THREADS yourself to choose otherwise"
             )
+        tunables = glibc_tunables_for_ranks(self.env)
+        if tunables is not None:
+            self.env["GLIBC_TUNABLES"] = tunables
         self.env["PYTHONUNBUFFERED"] = "1"
 
     def _coordinator(self) -> SingleNode:
