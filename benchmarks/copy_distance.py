@@ -1,9 +1,9 @@
 """How long numpy takes to copy an array, by the distance between source and destination.
 
-On AMD EPYC with glibc 2.36 (the development VM), ``memmove`` copies 2 KiB and more with
-``rep movsb``, which runs about ten times slower when the destination starts 16 bytes past the
-source modulo 4 KiB. Two arrays of one size that is a multiple of 4 KiB, allocated one after
-the other on glibc's heap, are exactly that far apart (16 bytes of chunk header), so
+On AMD EPYC with glibc 2.36 (the development VM), ``memmove`` copies a few KiB and more with
+``rep movsb``, which from 4 KiB to about 1 MiB runs ten times slower when the destination starts
+1-31 bytes past the source modulo 4 KiB. Two arrays of one size that is a multiple of 4 KiB,
+allocated one after the other on glibc's heap, are 16 bytes apart (a chunk header), so
 ``b[...] = a`` hits it by default; so can any copy into or out of gloo's arena.
 
     python benchmarks/copy_distance.py

@@ -104,7 +104,6 @@ def test_ranks_on_amd_start_without_rep_movsb():
     """On AMD x86 the ranks' memmove avoids ``rep movsb`` (10x slower copies at one distance),
     after any tunables the user set; elsewhere, or when the user chose the threshold, nothing
     changes."""
-
     amd, intel = "vendor_id\t: AuthenticAMD\n", "vendor_id\t: GenuineIntel\n"
     assert glibc_tunables_for_ranks({}, amd) == REP_MOVSB_OFF
     assert glibc_tunables_for_ranks({}, intel) is None
