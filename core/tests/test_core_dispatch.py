@@ -251,6 +251,48 @@ def test_the_flight_recorder_records_synchronous_calls_and_their_failures(monkey
     assert not wrappers, "the recorder is the core's, not a hook wrapper"
 
 
+@pytest.mark.timeout(60)
+def test_the_flight_recorder_keeps_no_array_alive_and_describes_list_operations(monkeypatch):
+    """Every array a call passes, also in lists and in second place (all_reduce's ``out=``), is
+    freed when the caller drops it; the entries still give shapes and bytes."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv(flight_recorder.SIZE_ENV, "16")
+    recorder = flight_recorder.recorder
+    recorder.entries.clear()
+    refs = []
+
+    def body():
+        x = np.ones(6, dtype=np.float32)
+        out = np.empty_like(x)
+        gathered = [np.empty(6, np.float32) for _ in range(2)]
+        pieces = [np.ones(3, np.float64), np.ones(3, np.float64)]
+        target = np.empty(3, np.float64)
+        pb.all_reduce(x, out=out)
+        pb.all_gather(gathered, x)
+        pb.reduce_scatter(target, pieces)
+        pb.barrier()
+        refs.extend(weakref.ref(a) for a in (x, out, *gathered, *pieces, target))
+
+    try:
+        run_ranks(body, 2)
+        gc.collect()
+        alive = [r() is not None for r in refs]  # before snapshot(), which rewrites entries
+        entries = recorder.snapshot()
+    finally:
+        monkeypatch.delenv(flight_recorder.SIZE_ENV)
+        recorder.configure()
+    assert not any(alive), f"the recorder kept arrays alive: {alive}"
+    assert len(entries) == 8 and {e["state"] for e in entries} == {"completed"}  # two ranks
+    by_op = {e["op"]: e for e in entries}
+    assert set(by_op) == {"all_reduce_into", "all_gather", "reduce_scatter", "barrier"}
+    assert by_op["all_gather"]["shape"] == [6] and by_op["all_gather"]["bytes"] == 24
+    assert by_op["reduce_scatter"]["dtype"] == "float64"
+    assert by_op["reduce_scatter"]["bytes"] == 48  # the inputs it reduces
+    assert by_op["barrier"]["shape"] is None and by_op["barrier"]["bytes"] == 0
+
+
 def test_every_operation_hook_takes_the_tables_arguments():
     for op in OPERATIONS.values():
         code = getattr(hookspecs, op.hook_name).__code__

@@ -51,6 +51,8 @@ def supported_dtypes() -> frozenset[np.dtype]:
 
 def device_of(array: Any) -> str:
     """ "cuda" for a cupy array, "cpu" for anything numpy can see without a copy."""
+    if type(array) is np.ndarray:
+        return "cpu"
     module = type(array).__module__
     if module.startswith("cupy"):
         return "cuda"
@@ -79,8 +81,23 @@ def check_cuda_array(array: Any, rank: int) -> None:
         )
 
 
+@functools.cache
+def _supported_dtype_ids() -> frozenset[int]:
+    """The ids of the supported dtypes' own objects: a numpy array of a native-order builtin
+    dtype carries one of these, and testing an id skips hashing the dtype (about 0.3 us)."""
+    return frozenset(id(d) for d in supported_dtypes())
+
+
 def check_array(array: Any, what: str, rank: int, writable: bool = True) -> None:
     """Refuse anything a backend cannot send in place, before anything is sent."""
+    if type(array) is np.ndarray:  # the usual case, in three attribute reads
+        flags = array.flags
+        if (
+            flags.c_contiguous
+            and (flags.writeable or not writable)
+            and id(array.dtype) in _supported_dtype_ids()
+        ):
+            return
     if not hasattr(array, "dtype") or not hasattr(array, "flags"):
         raise TypeError(
             f"rank {rank}: {what} must be a numpy or cupy array, got {type(array).__name__}"

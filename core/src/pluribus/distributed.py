@@ -416,6 +416,8 @@ def new_group(
 
 def _check_same(array: Any, other: Any, what: str, rank: int) -> None:
     check_array(other, what, rank)
+    if type(other) is type(array) and other.dtype is array.dtype:
+        return  # one type: one device; one dtype object: one dtype
     if np.dtype(other.dtype) != np.dtype(array.dtype):
         raise TypeError(f"rank {rank}: {what} has dtype {other.dtype}, expected {array.dtype}")
     if device_of(other) != device_of(array):

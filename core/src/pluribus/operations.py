@@ -59,7 +59,9 @@ class Operation:
         return found
 
 
-#: Arguments that are lists of arrays (None on ranks that pass none, as in gather).
+#: Arguments that are one array, and lists of arrays (None on ranks that pass none, as in
+#: gather).
+ARRAY_ARGUMENTS = frozenset({"array", "output"})
 LIST_ARGUMENTS = frozenset({"outputs", "inputs"})
 #: Arguments that are ranks, group-local in the hooks.
 RANK_ARGUMENTS = frozenset({"src", "dst"})

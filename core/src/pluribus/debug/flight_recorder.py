@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import math
 import os
 import socket
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hookspecs import hookimpl
-from ..operations import Operation
+from ..operations import ARRAY_ARGUMENTS, LIST_ARGUMENTS, OPERATIONS, Operation
 from .common import CollectiveCall, describe, global_rank, when_done
 
 SIZE_ENV = "PLURIBUS_FLIGHT_RECORDER"
@@ -44,19 +45,55 @@ def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
 
 
 class ArrayInfo:
-    """What the buffer keeps of an array: its shape and dtype, not its memory."""
+    """What the buffer keeps of an array: its shape and dtype, not its memory; and the size
+    and bytes a description reads from them."""
 
     __slots__ = ("shape", "dtype")
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any):
-        self.shape, self.dtype = shape, dtype
+    def __init__(self, array: Any):
+        self.shape, self.dtype = array.shape, array.dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+def _kinds(op: Operation) -> tuple[str | None, ...]:
+    return tuple(
+        "array" if a in ARRAY_ARGUMENTS else "list" if a in LIST_ARGUMENTS else None
+        for a in op.args
+    )
+
+
+#: Per operation, what each argument is ("array", "list" or None for a plain value), and the
+#: operations whose only array comes first (all_reduce, broadcast, send, ...).
+_KINDS = {name: _kinds(op) for name, op in OPERATIONS.items()}
+_FIRST_ONLY = frozenset(
+    name for name, kinds in _KINDS.items() if kinds[:1] == ("array",) and not any(kinds[1:])
+)
+
+
+def _summary(op: Operation, args: tuple) -> tuple:
+    """``args`` with every array replaced by its :class:`ArrayInfo`, so that the buffer keeps no
+    array alive; made on every call, so the usual case is one line."""
+    if op.name in _FIRST_ONLY:
+        return (ArrayInfo(args[0]), *args[1:])
+    return tuple(
+        a if kind is None or a is None
+        else ArrayInfo(a) if kind == "array"
+        else [ArrayInfo(x) for x in a]
+        for kind, a in zip(_KINDS[op.name], args, strict=True)
+    )  # fmt: skip
 
 
 # An entry is a list, the cheapest record to make on every call:
 # [seq, group name, call, start, end (None while it runs), error (None unless it failed)].
-# ``call`` is a CollectiveCall, or for an operation whose only array comes first (all_reduce,
-# broadcast, send, ...) the tuple (operation, (ArrayInfo, other arguments...), async_op), made
-# into a CollectiveCall only when the buffer is read.
+# ``call`` is a CollectiveCall, or, until the buffer is read, the tuple (operation, arguments
+# with ArrayInfo for arrays, async_op) it is made from.
 SEQ, GROUP, CALL, START, END, ERROR = range(6)
 
 
@@ -132,12 +169,14 @@ class FlightRecorder:
             self._first_call(group)
         counter = self._counter((group.name, group.ranks[group.rank], op.collective))
         counter[0] += 1
-        if op.key_index == 0 and not op.key_in_list:  # one array, then plain values
-            key = args[0]
-            call: Any = (op, (ArrayInfo(key.shape, key.dtype), *args[1:]), async_op)
-        else:
-            call = describe(op, None, args, async_op)
-        entry = [counter[0], group.name, call, time.time(), None, None]
+        entry = [
+            counter[0],
+            group.name,
+            (op, _summary(op, args), async_op),
+            time.time(),
+            None,
+            None,
+        ]
         self.entries.append(entry)
         try:
             work = run(*args)
