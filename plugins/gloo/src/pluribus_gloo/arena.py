@@ -403,6 +403,7 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
     if not able:
         store.set("arena/name", "")
         return None
+    shm.sweep_orphans()
     try:
         name, segment = shm.create_mapping(total)
     except OSError as exc:

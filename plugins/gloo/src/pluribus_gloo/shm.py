@@ -13,7 +13,9 @@ program order (x86-64's memory model); on other CPUs the fast path is off unless
 
 A segment exists in /dev/shm only while the pair is connecting: its creator unlinks it as soon as
 the peer says it has mapped it (or failed to), so no segment outlives the processes, even when
-one is killed.
+one is killed. Only a job whose every member is killed inside such a window (the arena's and the
+symmetric allocations' too) leaves one behind; every segment's name starts with its creator's
+pid, and :func:`sweep_orphans` removes those whose creator is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import mmap
 import os
 import platform
 import secrets
+import time
 
 import numpy as np
 
@@ -32,6 +35,14 @@ CONTROL_BYTES = 256
 # 8-byte words of the control block, each on its own cache line
 HEAD, TAIL, READER_WAITING, WRITER_WAITING = 0, 8, 16, 24
 ALIGN = 64
+#: Every segment's name: ``/plrb-<creator's pid>-...`` (the symmetric allocations' names extend
+#: their arena's, which the same process created).
+PREFIX = "plrb-"
+SHM_DIR = "/dev/shm"
+#: A segment of a dead creator is removed only once it is this old: a live job's segment exists
+#: by name only while its group maps it, and a pid from another pid namespace sharing /dev/shm
+#: may look dead here.
+ORPHAN_SECONDS = float(os.environ.get("PLURIBUS_GLOO_ORPHAN_SECONDS", 60))
 
 try:
     import _posixshmem
@@ -53,7 +64,7 @@ def create_mapping(nbytes: int, reserve: bool = False, name: str = "") -> tuple[
     the caller unlinks it. ``reserve`` takes the pages now, so that a full /dev/shm is an
     OSError here rather than a SIGBUS when a page is first touched (worth it for large
     segments that user data lives in)."""
-    name = name or f"/plrb-{os.getpid()}-{secrets.token_hex(6)}"
+    name = name or f"/{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -95,6 +106,44 @@ def create_segment(capacity: int) -> tuple[str, mmap.mmap]:
 
 def open_segment(name: str, capacity: int) -> mmap.mmap:
     return open_mapping(name, segment_size(capacity))
+
+
+def sweep_orphans(older_than: float = ORPHAN_SECONDS) -> list[str]:
+    """Unlink the segments in /dev/shm whose creating process is gone and that were last written
+    ``older_than`` seconds ago or more; returns their names. Called by each group's first rank
+    before it creates the group's arena, so that a killed job's leftovers go with the next job
+    on the host."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        if not entry.startswith(PREFIX):
+            continue
+        creator = entry[len(PREFIX) :].split("-", 1)[0]
+        if not creator.isdigit() or _alive(int(creator)):
+            continue
+        try:
+            if time.time() - os.stat(os.path.join(SHM_DIR, entry)).st_mtime < older_than:
+                continue
+            _posixshmem.shm_unlink("/" + entry)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+        removed.append(entry)
+    if removed:
+        log.info("gloo: removed %d segment(s) left by killed jobs: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
 
 
 def unlink(name: str) -> None:
