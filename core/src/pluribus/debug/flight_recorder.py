@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +46,13 @@ def dump_path(directory: str | os.PathLike, rank: int | None) -> Path:
 
 
 class ArrayInfo:
-    """What the buffer keeps of an array: its shape and dtype, not its memory; and the size
-    and bytes a description reads from them."""
+    """What the buffer keeps of an array, its shape and dtype (not its memory), as a description
+    reads it: with its size and bytes."""
 
     __slots__ = ("shape", "dtype")
 
-    def __init__(self, array: Any):
-        self.shape, self.dtype = array.shape, array.dtype
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
+        self.shape, self.dtype = shape, dtype
 
     @property
     def size(self) -> int:
@@ -62,45 +63,61 @@ class ArrayInfo:
         return self.size * self.dtype.itemsize
 
 
-def _kinds(op: Operation) -> tuple[str | None, ...]:
-    return tuple(
-        "array" if a in ARRAY_ARGUMENTS else "list" if a in LIST_ARGUMENTS else None
-        for a in op.args
-    )
+def _positions(names: frozenset[str]) -> dict[str, tuple[int, ...]]:
+    return {
+        name: tuple(i for i, a in enumerate(op.args) if a in names)
+        for name, op in OPERATIONS.items()
+    }
 
 
-#: Per operation, what each argument is ("array", "list" or None for a plain value), and the
-#: operations whose only array comes first (all_reduce, broadcast, send, ...).
-_KINDS = {name: _kinds(op) for name, op in OPERATIONS.items()}
-_FIRST_ONLY = frozenset(
-    name for name, kinds in _KINDS.items() if kinds[:1] == ("array",) and not any(kinds[1:])
-)
+#: Per operation, where its single arrays and its lists of arrays are among its arguments, and
+#: the operations whose only array comes first (all_reduce, broadcast, send, ...).
+_ARRAYS_AT = _positions(ARRAY_ARGUMENTS)
+_LISTS_AT = _positions(LIST_ARGUMENTS)
+_FIRST_ONLY = frozenset(n for n in OPERATIONS if _ARRAYS_AT[n] == (0,) and not _LISTS_AT[n])
 
 
-def _summary(op: Operation, args: tuple) -> tuple:
-    """``args`` with every array replaced by its :class:`ArrayInfo`, so that the buffer keeps no
-    array alive; made on every call, so the usual case is one line."""
-    if op.name in _FIRST_ONLY:
-        return (ArrayInfo(args[0]), *args[1:])
-    return tuple(
-        a if kind is None or a is None
-        else ArrayInfo(a) if kind == "array"
-        else [ArrayInfo(x) for x in a]
-        for kind, a in zip(_KINDS[op.name], args, strict=True)
-    )  # fmt: skip
+def _summary(op: Operation, args: tuple) -> Sequence:
+    """``args`` with every array, also in a list, as ``(shape, dtype)``: the buffer keeps no
+    array alive. Made on every call, so it is plain loops over precomputed positions (a
+    generator over every argument cost 1.3-1.5 µs more)."""
+    name = op.name
+    if name in _FIRST_ONLY:
+        first = args[0]
+        return ((first.shape, first.dtype), *args[1:])
+    kept = list(args)
+    for i in _ARRAYS_AT[name]:
+        array = kept[i]
+        kept[i] = (array.shape, array.dtype)
+    for i in _LISTS_AT[name]:
+        if kept[i] is not None:
+            kept[i] = [(x.shape, x.dtype) for x in kept[i]]
+    return kept
+
+
+def _described_args(op: Operation, summary: Sequence) -> tuple:
+    """The arguments :func:`describe` reads, from a :func:`_summary`."""
+    args = list(summary)
+    for i in _ARRAYS_AT[op.name]:
+        args[i] = ArrayInfo(*args[i])
+    for i in _LISTS_AT[op.name]:
+        if args[i] is not None:
+            args[i] = [ArrayInfo(*x) for x in args[i]]
+    return tuple(args)
 
 
 # An entry is a list, the cheapest record to make on every call:
 # [seq, group name, call, start, end (None while it runs), error (None unless it failed)].
-# ``call`` is a CollectiveCall, or, until the buffer is read, the tuple (operation, arguments
-# with ArrayInfo for arrays, async_op) it is made from.
+# ``call`` is a CollectiveCall, or, until the buffer is read, the tuple (operation,
+# :func:`_summary` of the arguments, async_op) it is made from.
 SEQ, GROUP, CALL, START, END, ERROR = range(6)
 
 
 def _call_of(entry: list) -> CollectiveCall:
     call = entry[CALL]
     if isinstance(call, tuple):
-        call = entry[CALL] = describe(*call[:1], None, *call[1:])
+        op, summary, async_op = call
+        call = entry[CALL] = describe(op, None, _described_args(op, summary), async_op)
     return call
 
 
