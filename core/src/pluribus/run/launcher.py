@@ -30,6 +30,7 @@ from typing import Any
 
 from ..debug.trace import TRACE_ENV, merge_traces
 from ..errors import PluribusError
+from ..lifeline import pid_alive
 from ..store import AUTH_TOKEN_ENV
 from . import bootstrap
 from .bootstrap import ERROR_FILE_ENV, LAUNCHER_PID_ENV
@@ -235,18 +236,8 @@ def remove_abandoned_job_dirs() -> None:
             pid = int((folder / OWNER_FILE).read_text())
         except (OSError, ValueError):
             continue
-        if not _alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 class Launcher:

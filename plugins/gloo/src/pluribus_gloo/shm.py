@@ -28,6 +28,7 @@ import secrets
 import time
 
 import numpy as np
+from pluribus.lifeline import pid_alive
 
 log = logging.getLogger("pluribus.gloo")
 
@@ -122,7 +123,7 @@ def sweep_orphans(older_than: float = ORPHAN_SECONDS) -> list[str]:
         if not entry.startswith(PREFIX):
             continue
         creator = entry[len(PREFIX) :].split("-", 1)[0]
-        if not creator.isdigit() or _alive(int(creator)):
+        if not creator.isdigit() or pid_alive(int(creator)):
             continue
         try:
             if time.time() - os.stat(os.path.join(SHM_DIR, entry)).st_mtime < older_than:
@@ -134,16 +135,6 @@ def sweep_orphans(older_than: float = ORPHAN_SECONDS) -> list[str]:
     if removed:
         log.info("gloo: removed %d segment(s) left by killed jobs: %s", len(removed), removed)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process: alive
-    return True
 
 
 def unlink(name: str) -> None:
