@@ -22,6 +22,9 @@ import numpy as np
 
 SIZES = {"64 KiB": 64 << 10, "16 MiB": 16 << 20}
 ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: the most calls :func:`_rounds` makes of one function: warm-up, one timed call, and at most
+#: 100 rounds of 500
+MOST_CALLS = 3 + 1 + 100 * 500
 
 
 def _rounds(fns: dict, seconds: float) -> dict:
@@ -37,7 +40,7 @@ def _rounds(fns: dict, seconds: float) -> dict:
     start = time.perf_counter()
     next(iter(fns.values()))()
     once = max(time.perf_counter() - start, 1e-6)
-    per = pb.broadcast_object(int(min(500, max(1, 0.01 / once))))
+    per = pb.broadcast_object(int(min(500, max(1, 0.01 / once))))  # see MOST_CALLS
     times: dict[str, list[float]] = {k: [] for k in fns}
     rounds = max(5, int(seconds / (once * per * len(fns)) + 1))
     rounds = pb.broadcast_object(min(rounds, 100))
@@ -67,6 +70,7 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
     partial = distribute_tensor(whole, mesh, [Partial()])
     local, term = shard.to_local(), partial.to_local()
     buffer = whole.copy()
+    donated = iter([DTensor(buffer, mesh, partial.layout) for _ in range(MOST_CALLS)])
     p, rows = pb.get_world_size(), local.shape[0]
     cols = whole.shape[1] // p
 
@@ -90,10 +94,10 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
             lambda: partial.redistribute(placements=[Replicate()]),
             lambda: pb.all_reduce(term, out=xp.empty(term.shape, term.dtype)),
         ),
+        # a donated DTensor cannot be used again, so each call takes a new one, made before
+        # the timing starts: making it is the caller's work, not redistribute's
         "all_reduce, donate": (
-            lambda: DTensor(buffer, mesh, partial.layout).redistribute(
-                placements=[Replicate()], donate=True
-            ),
+            lambda: next(donated).redistribute(placements=[Replicate()], donate=True),
             lambda: pb.all_reduce(buffer),
         ),
         "reduce_scatter": (
