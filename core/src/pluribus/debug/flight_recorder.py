@@ -186,14 +186,8 @@ class FlightRecorder:
             self._first_call(group)
         counter = self._counter((group.name, group.ranks[group.rank], op.collective))
         counter[0] += 1
-        entry = [
-            counter[0],
-            group.name,
-            (op, _summary(op, args), async_op),
-            time.time(),
-            None,
-            None,
-        ]
+        call = (op, _summary(op, args), async_op)
+        entry = [counter[0], group.name, call, time.time(), None, None]
         self.entries.append(entry)
         try:
             work = run(*args)
