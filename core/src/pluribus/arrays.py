@@ -177,8 +177,9 @@ def finish_average(array: Any, op: ReduceOp, count: int) -> None:
 
 
 def flat(array: Any) -> Any:
-    """A 1-D view of a contiguous array (no copy)."""
-    return array.reshape(-1)
+    """A 1-D view of a contiguous array (no copy): the array itself when it already is one (a
+    reshape costs 0.25-0.5 µs, and backends flatten every array of every call)."""
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 def byte_view(array: Any) -> Any:
