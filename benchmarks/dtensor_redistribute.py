@@ -96,7 +96,7 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
         ),
         # a donated DTensor cannot be used again, so each call takes a new one, made before
         # the timing starts: making it is the caller's work, not redistribute's
-        "all_reduce, donate": (
+        "all_reduce donated": (
             lambda: next(donated).redistribute(placements=[Replicate()], donate=True),
             lambda: pb.all_reduce(buffer),
         ),
@@ -264,7 +264,7 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", help="collectives (ucc for cuda)")
     args = parser.parse_args()
     run = {"collectives", "overhead", "mlp"} if args.only is None else {args.only}
-    ops = args.ops.split(",") if args.ops else None
+    ops = [name.strip() for name in args.ops.split(",")] if args.ops else None
     sizes = [s.strip() for s in args.sizes.split(",")] if args.sizes else None
     ranks = [int(s) for s in args.ranks.split(",")]
     if "overhead" in run:
