@@ -12,6 +12,7 @@ import pickle as _pickle
 import socket
 import threading
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -19,7 +20,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from . import codec, plugins
-from .arrays import check_array, check_cuda_array, check_op, device_of
+from .arrays import check_array, check_cuda_array, check_op, device_of, flat
 from .backend import USER_TAG_LIMIT, check_tag_budget
 from .debug import flight_recorder
 from .errors import NotInitializedError, PluribusError
@@ -487,6 +488,56 @@ def _issue(g: ProcessGroup, name: str, device: str, async_op: bool, *args: Any):
     return _dispatch(g, name, device, async_op, args)
 
 
+def _shortcut(
+    group: ProcessGroup | None, name: str, array: Any, op: ReduceOp | None = None
+) -> tuple[ProcessGroup | None, Callable[..., None] | None]:
+    """The group and direct function for a synchronous ``name`` call on ``group`` (None: the
+    default) with ``array``'s type and dtype and ``op``, when the group's last checked call of
+    ``name`` had the same and no plugin changed since; else ``(None, None)``, and the checked
+    path decides (and remembers, :func:`_remember`). A signature fixes what the checks found of
+    the array type (its backend), the dtype and the op; the caller checks the rest of the call
+    (contiguity, writability, sizes, the other arrays) every time, as the checked path would."""
+    g = group if group is not None else _process_group if not _thread_worlds else None
+    try:
+        kind, dtype, last_op, generation, direct = g.shortcuts[name]
+    except (AttributeError, KeyError, TypeError):  # no group here, or no shortcut yet
+        return None, None
+    if (
+        type(array) is kind
+        and array.dtype is dtype
+        and op is last_op
+        and generation == plugins.generation
+    ):
+        return g, direct
+    return None, None
+
+
+def _remember(
+    g: ProcessGroup, name: str, array: Any, op: ReduceOp | None, device: str
+) -> Callable[..., None] | None:
+    """After the checks of a synchronous call: its direct function (None where a plugin must
+    see the calls), which the next calls with the same signature take (:func:`_shortcut`)."""
+    direct = g.direct(name, device)
+    if direct is not None:
+        g.shortcuts[name] = (type(array), array.dtype, op, plugins.generation, direct)
+    return direct
+
+
+def _run_direct(g: ProcessGroup, name: str, direct: Callable[..., None], args: tuple) -> None:
+    """A checked synchronous call through its direct function, recorded while the flight
+    recorder is on."""
+    if flight_recorder.recorder.enabled:
+        flight_recorder.recorder.record(g, OPERATIONS[name], args, False, direct)
+    else:
+        direct(*args)
+
+
+def _blocks(array: Any, count: int, size: int) -> list[Any]:
+    """``count`` consecutive flat views of ``size`` elements of contiguous ``array``."""
+    whole = flat(array)
+    return [whole[i * size : (i + 1) * size] for i in range(count)]
+
+
 def _dispatch(g: ProcessGroup, name: str, device: str, async_op: bool, args: tuple):
     """A synchronous call directly when no plugin but the core's implements the hook, anything
     else through the hook."""
@@ -526,13 +577,12 @@ def all_reduce(
         # another combination) takes the checked path below.
         g = group if group is not None else _process_group if not _thread_worlds else None
         try:
-            kind, dtype, last_op, generation, direct, _ = g.fast_all_reduce
+            kind, dtype, last_op, generation, direct = g.shortcuts["all_reduce"]
             if (
                 type(array) is kind
                 and array.dtype is dtype
                 and op is last_op
                 and generation == plugins.generation
-                and direct is not None
             ):
                 flags = array.flags
                 if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
@@ -541,18 +591,14 @@ def all_reduce(
                     else:
                         direct(array, op)
                     return None
-        except (AttributeError, TypeError):  # no group here, or no shortcut: checked below
+        except (AttributeError, KeyError, TypeError):  # no group or no shortcut: checked below
             pass
     g = _group(group)
     device = _check_reduction(g, array, op, "array")
     if not async_op:
-        direct = g.direct("all_reduce", device)
+        direct = _remember(g, "all_reduce", array, op, device)
         if direct is not None:
-            into = g.direct("all_reduce_into", device)
-            g.fast_all_reduce = (type(array), array.dtype, op, plugins.generation, direct, into)
-            if flight_recorder.recorder.enabled:
-                return flight_recorder.recorder.record(g, _ALL_REDUCE, (array, op), False, direct)
-            direct(array, op)
+            _run_direct(g, "all_reduce", direct, (array, op))
             return None
     return _issue(g, "all_reduce", device, async_op, array, op)
 
@@ -566,7 +612,7 @@ def _all_reduce_into(
     if not async_op:  # the shortcut of the in-place form, with the checks out= adds
         g = group if group is not None else _process_group if not _thread_worlds else None
         try:
-            kind, dtype, last_op, generation, _, direct = g.fast_all_reduce
+            kind, dtype, last_op, generation, direct = g.shortcuts["all_reduce_into"]
             if (
                 type(array) is kind
                 and type(out) is kind
@@ -574,7 +620,6 @@ def _all_reduce_into(
                 and out.dtype is dtype
                 and op is last_op
                 and generation == plugins.generation
-                and direct is not None
                 and out.shape == array.shape
             ):
                 flags = out.flags
@@ -590,7 +635,7 @@ def _all_reduce_into(
                     else:
                         direct(array, out, op)
                     return None
-        except (AttributeError, TypeError):  # no group here, or no shortcut: checked below
+        except (AttributeError, KeyError, TypeError):  # no group or no shortcut: checked below
             pass
     g = _group(group)
     r = g.global_rank
@@ -608,10 +653,7 @@ def _all_reduce_into(
             "or no out to reduce in place"
         )
     if not async_op:
-        direct = g.direct("all_reduce_into", device)
-        if direct is not None:
-            in_place = g.direct("all_reduce", device)
-            g.fast_all_reduce = (type(out), out.dtype, op, plugins.generation, in_place, direct)
+        _remember(g, "all_reduce_into", out, op, device)
     return _issue(g, "all_reduce_into", device, async_op, array, out, op)
 
 
@@ -632,11 +674,21 @@ def broadcast(
     array: Any, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Copy rank ``src``'s ``array`` into ``array`` on every rank."""
+    if not async_op:
+        g, direct = _shortcut(group, "broadcast", array)
+        if direct is not None:
+            flags = array.flags
+            if flags.c_contiguous and getattr(flags, "writeable", True):  # cupy has none
+                _run_direct(g, "broadcast", direct, (array, g.group_rank(src, "src")))
+                return None
     g = _group(group)
     check_array(array, "array", g.global_rank)
     _carrier(g, array)
     local = g.group_rank(src, "src")
-    return _issue(g, "broadcast", device_of(array), async_op, array, local)
+    device = device_of(array)
+    if not async_op:
+        _remember(g, "broadcast", array, None, device)
+    return _issue(g, "broadcast", device, async_op, array, local)
 
 
 def reduce(
@@ -661,6 +713,22 @@ def all_gather(
     ``output`` is a list of one array per rank (their sizes may differ between ranks), or one
     array of ``size`` times ``array``'s rows (torch's ``all_gather_into_tensor``).
     """
+    if not async_op and type(output) is type(array):  # one output array
+        g, direct = _shortcut(group, "all_gather", array)
+        if (
+            direct is not None
+            and output.dtype is array.dtype
+            and output.size == array.size * g.size
+        ):
+            flags = output.flags
+            if (
+                flags.c_contiguous
+                and getattr(flags, "writeable", True)  # cupy has none
+                and array.flags.c_contiguous
+            ):
+                outputs = _blocks(output, g.size, array.size)
+                _run_direct(g, "all_gather", direct, (outputs, array))
+                return None
     g = _group(group)
     r = g.global_rank
     check_array(array, "array", r, writable=False)
@@ -686,9 +754,11 @@ def all_gather(
                 f"rank {r}: all_gather output has {output.size} elements, expected "
                 f"{g.size} x {array.size} = {g.size * array.size}"
             )
-        flat_out = output.reshape(-1)
-        outputs = [flat_out[i * array.size : (i + 1) * array.size] for i in range(g.size)]
-    return _issue(g, "all_gather", device_of(array), async_op, outputs, array)
+        outputs = _blocks(output, g.size, array.size)
+    device = device_of(array)
+    if not async_op:
+        _remember(g, "all_gather", array, None, device)
+    return _issue(g, "all_gather", device, async_op, outputs, array)
 
 
 all_gather_into_tensor = all_gather
@@ -706,6 +776,23 @@ def reduce_scatter(
     ``input`` is a list of one array per rank (block ``i`` goes to rank ``i``; sizes may differ)
     or one array of ``size`` times ``output``'s elements.
     """
+    if not async_op and type(input) is type(output):  # one input array
+        g, direct = _shortcut(group, "reduce_scatter", output, op)
+        if (
+            direct is not None
+            and input.dtype is output.dtype
+            and input.size == output.size * g.size
+        ):
+            flags, in_flags = output.flags, input.flags
+            if (
+                flags.c_contiguous
+                and getattr(flags, "writeable", True)  # cupy has none
+                and in_flags.c_contiguous
+                and getattr(in_flags, "writeable", True)
+            ):
+                inputs = _blocks(input, g.size, output.size)
+                _run_direct(g, "reduce_scatter", direct, (output, inputs, op))
+                return None
     g = _group(group)
     r = g.global_rank
     device = _check_reduction(g, output, op, "output")
@@ -730,8 +817,9 @@ def reduce_scatter(
                 f"rank {r}: reduce_scatter input has {input.size} elements, expected "
                 f"{g.size} x {output.size} = {g.size * output.size}"
             )
-        flat_in = input.reshape(-1)
-        inputs = [flat_in[i * output.size : (i + 1) * output.size] for i in range(g.size)]
+        inputs = _blocks(input, g.size, output.size)
+    if not async_op:
+        _remember(g, "reduce_scatter", output, op, device)
     return _issue(g, "reduce_scatter", device, async_op, output, inputs, op)
 
 

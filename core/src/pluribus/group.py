@@ -59,11 +59,11 @@ class ProcessGroup:
         self._subgroups = 0
         #: (array type, dtype, id(op)) combinations the public API has checked, with their device
         self.checked_ops: dict[tuple[Any, Any, Any], str] = {}
-        #: The public all_reduce's shortcut: (array type, dtype, op, plugin generation, the
-        #: direct functions of the in-place and the out-of-place form, either None where a
-        #: plugin must see the calls) of the last synchronous call checked, or None. Cleared on
-        #: a failure and on close, so that those calls take the path that raises.
-        self.fast_all_reduce: tuple[Any, Any, Any, int, Any, Any] | None = None
+        #: The public collectives' shortcuts, by operation name: (array type, dtype, op or
+        #: None, plugin generation, direct function) of the last synchronous call checked whose
+        #: operation has a direct function (see ``distributed._shortcut``). Emptied on a
+        #: failure and on close, so that those calls take the path that raises.
+        self.shortcuts: dict[str, tuple[Any, Any, Any, int, Callable[..., None]]] = {}
         self._direct: dict[tuple[str, str], Callable[..., None] | None] = {}
         self._direct_generation = -1
         #: Whether the core watches this group's calls (see ``Backend.detects_failures`` and
@@ -202,7 +202,7 @@ class ProcessGroup:
 
     def _fail(self, error: PluribusError, reason: str) -> None:
         self.failure = error
-        self.fast_all_reduce = None  # calls now take the hook path, which raises the failure
+        self.shortcuts = {}  # calls now take the hook path, which raises the failure
         self._direct_generation = -1
         for backend in self._distinct_backends():
             backend.end_sendrecv_waits(error)
@@ -243,7 +243,7 @@ class ProcessGroup:
         if self.closed:
             return
         self.closed = True
-        self.fast_all_reduce = None
+        self.shortcuts = {}
         # After a failure a worker may be stuck in a backend's wait: do not wait for it.
         for lane in list(self._lanes.values()):
             lane.close(self.timeout if self.failure is None else 0.5)

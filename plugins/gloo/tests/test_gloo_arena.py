@@ -144,11 +144,10 @@ def test_arena_algorithms_match_numpy(size, n, half, one_shot, calls):
         ins = np.split(scatter_in[r], np.cumsum(blocks)[:-1])
         got = np.empty(blocks[r], dtype=np.int64)
         _announce(a, 6, sum(blocks))
-        local.reduce_scatter(a, got, list(ins), np.add)
-        outs = [np.full(blocks[q], -1, dtype=np.int64) for q in range(size)]
-        outs[r][...] = ins[r]
+        local.reduce_scatter(a, got, list(ins), np.add, blocks)
+        outs = [np.full(blocks[q], -1, dtype=np.int64) for q in range(size)]  # own one too
         _announce(a, 5, sum(blocks))
-        local.all_gather(a, outs, ins[r])
+        local.all_gather(a, outs, ins[r], blocks)
         root = size - 1
         b = inputs[0, r].copy()
         _announce(a, 3, n)
@@ -578,17 +577,15 @@ def test_arena_symmetric_gather_scatter_broadcast_match_the_copying_path(
             local.broadcast(a, x, c % size)
             got.append(("broadcast", x.copy()))
             x = input_of(r, c, n)
-            outs = [np.zeros(n, np.float32) for _ in range(size)]
-            outs[r][...] = x
+            outs = [np.zeros(n, np.float32) for _ in range(size)]  # own one too
             _announce(a, 4, n * size)
-            local.all_gather(a, outs, x)
+            local.all_gather(a, outs, x, [n] * size)
             got.append(("all_gather", np.stack(outs)))
             x = input_of(r, c, total)
             out = np.empty(blocks[r], np.float32)
             _announce(a, 5, total)
-            local.reduce_scatter(
-                a, out, [x[bounds[q] : bounds[q + 1]] for q in range(size)], np.add
-            )
+            parts = [x[bounds[q] : bounds[q + 1]] for q in range(size)]
+            local.reduce_scatter(a, out, parts, np.add, [part.size for part in parts])
             got.append(("reduce_scatter", out))
         return got
 

@@ -452,13 +452,14 @@ class GlooBackend(Backend):
         p, r = self.size, self.rank
         outs = [flat(o) for o in outputs]
         src = flat(array)
+        if p > 1 and self.arena is not None:
+            counts = [o.size for o in outs]
+            self._arena_call(wire.ALL_GATHER, src.dtype, None, sum(counts))
+            local.all_gather(self.arena, outs, src, counts)  # this rank's output too
+            return
         if not np.shares_memory(outs[r], src):
             np.copyto(outs[r], src)
         if p == 1:
-            return
-        if self.arena is not None:
-            self._arena_call(wire.ALL_GATHER, src.dtype, None, sum(o.size for o in outs))
-            local.all_gather(self.arena, outs, src)
             return
         call = _Call(self, wire.ALL_GATHER, src, None, src.size, check_count=False)
         right, left = (r + 1) % p, (r - 1) % p
@@ -490,8 +491,9 @@ class GlooBackend(Backend):
             finish_average(output, op, 1)
             return
         if self.arena is not None:
-            ufunc = self._arena_call(wire.REDUCE_SCATTER, out.dtype, op, sum(x.size for x in ins))
-            local.reduce_scatter(self.arena, out, ins, ufunc)
+            counts = [x.size for x in ins]
+            ufunc = self._arena_call(wire.REDUCE_SCATTER, out.dtype, op, sum(counts))
+            local.reduce_scatter(self.arena, out, ins, ufunc, counts)
             finish_average(output, op, p)
             return
         call = _Call(self, wire.REDUCE_SCATTER, out, op, out.size, check_count=False)

@@ -103,19 +103,15 @@ ZERO_COPY_BYTES = int(os.environ.get("PLURIBUS_GLOO_ZERO_COPY_BYTES", 1 << 20))
 BROADCAST_ZERO_COPY_MAX_BYTES = 8 << 20
 
 
-def _symmetric_inputs(arena, eligible, total_bytes: int, most: float = float("inf")):
-    """The zero-copy decision of broadcast, all-gather and reduce-scatter. Outside
-    :data:`ZERO_COPY_BYTES` .. ``most`` (the same on every rank: ``total_bytes`` is the call's,
-    not this rank's): None, no announcement, no sync, and ``eligible`` is not called (small
-    calls pay nothing). Inside: ``data = eligible()`` is the input peers would read (None when
-    this rank's call cannot run zero-copy); every rank announces where it lies, syncs once,
-    and gets every rank's ``data`` when all agree, else None: every rank takes the copying
-    path, and as every rank synced once the syncs still pair up. The copying path pays that
-    sync inside the window, a few microseconds beside a megabyte's copies, and needs no
-    pairing rule."""
-    if not ZERO_COPY_BYTES <= total_bytes <= most:
-        return None
-    data = eligible()
+def _symmetric_inputs(arena, data: np.ndarray | None):
+    """The zero-copy decision of broadcast, all-gather and reduce-scatter, taken by every rank
+    of a call whose bytes in all lie between :data:`ZERO_COPY_BYTES` and the collective's
+    limit (the same on every rank: the sizes are the call's, not this rank's; smaller calls
+    skip it and pay nothing). ``data`` is the input peers would read (None when this rank's
+    call cannot run zero-copy); every rank announces where it lies, syncs once, and gets every
+    rank's ``data`` when all agree, else None: every rank takes the copying path, and as every
+    rank synced once the syncs still pair up. The copying path pays that sync inside the
+    window, a few microseconds beside a megabyte's copies, and needs no pairing rule."""
     found = None if data is None else symmetric.locate(data, arena)
     return _announce_and_agree(arena, data, found)
 
@@ -252,20 +248,19 @@ def _copy_out(state, region: int, r: int, p: int) -> None:
             result[lo:hi] = slots[q][q * region : q * region + hi - lo]
 
 
-def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None:
-    def eligible():
+def reduce_scatter(arena, out: np.ndarray, ins: list[np.ndarray], ufunc, counts: list[int]) -> None:
+    """``counts``: the sizes of ``ins``."""
+    if sum(counts) * out.itemsize >= ZERO_COPY_BYTES:
         whole = _one_array(ins)
-        if whole is None or any(
+        if whole is not None and any(
             np.shares_memory(out, x) for q, x in enumerate(ins) if q != arena.rank
         ):
-            return None  # not one array, or peers would read what this rank writes
-        return whole
-
-    peers = _symmetric_inputs(arena, eligible, sum(x.nbytes for x in ins))
-    if peers is not None:
-        _reduce_scatter_symmetric(arena, out, [x.size for x in ins], peers, ufunc)
-        return
-    _reduce_scatter_copying(arena, out, ins, ufunc)
+            whole = None  # peers would read what this rank writes
+        peers = _symmetric_inputs(arena, whole)
+        if peers is not None:
+            _reduce_scatter_symmetric(arena, out, counts, peers, ufunc)
+            return
+    _reduce_scatter_copying(arena, out, ins, ufunc, max(counts))
 
 
 def _one_array(ins: list[np.ndarray]) -> np.ndarray | None:
@@ -302,10 +297,11 @@ def _reduce_scatter_symmetric(arena, out, sizes: list[int], arrays: list[np.ndar
     arena.sync()
 
 
-def _reduce_scatter_copying(arena, out: np.ndarray, ins: list[np.ndarray], ufunc) -> None:
+def _reduce_scatter_copying(
+    arena, out: np.ndarray, ins: list[np.ndarray], ufunc, longest: int
+) -> None:
     p, r = arena.size, arena.rank
     per_block = max(1, arena.half // (out.itemsize * p))
-    longest = max(x.size for x in ins)
     others = [j for j in range(p) if j != r]
     for lo in range(0, longest, per_block):
         slots = arena.next_half(out.dtype)
@@ -324,44 +320,63 @@ def _reduce_scatter_copying(arena, out: np.ndarray, ins: list[np.ndarray], ufunc
         _reduce_in_order(ufunc, [own, *theirs], out[lo : lo + m])
 
 
-def all_gather(arena, outs: list[np.ndarray], src: np.ndarray) -> None:
+def all_gather(arena, outs: list[np.ndarray], src: np.ndarray, counts: list[int]) -> None:
+    """Every rank's ``src`` into ``outs`` (``counts``: their sizes), this rank's own too. The
+    copying path fills this rank's output from its slot, after ``src`` went there, so ``src``
+    may be any part of the outputs."""
     r = arena.rank
-
-    def eligible():
-        same_sizes = all(o.size == src.size for o in outs)
+    if sum(counts) * src.itemsize >= ZERO_COPY_BYTES:
+        same_sizes = all(n == src.size for n in counts)
         overlaps = any(np.shares_memory(o, src) for q, o in enumerate(outs) if q != r)
-        return src if same_sizes and not overlaps else None
-
-    peers = _symmetric_inputs(arena, eligible, sum(o.nbytes for o in outs))
-    if peers is not None:
-        # Rank r reads every peer's input and writes only its outputs q != r, which overlap
-        # no input (checked before announcing); the sync keeps it until no peer reads its input.
-        for q, out in enumerate(outs):
-            if q != r:
-                out[...] = peers[q]
-        arena.sync()
-        return
+        peers = _symmetric_inputs(arena, src if same_sizes and not overlaps else None)
+        if peers is not None:
+            # Rank r reads every peer's input and writes only its outputs q != r, which
+            # overlap no input (checked before announcing); the sync keeps it until no peer
+            # reads its input, which its own output may then overwrite.
+            for q, out in enumerate(outs):
+                if q != r:
+                    out[...] = peers[q]
+            arena.sync()
+            if not np.shares_memory(outs[r], src):
+                np.copyto(outs[r], src)
+            return
     per_round = max(1, arena.half // src.itemsize)
-    longest = max(o.size for o in outs)
+    longest = max(counts)
+    if longest <= per_round:  # one round: the small call's few steps
+        slots = arena.next_half(src.dtype)
+        slots[r][: src.size] = src
+        arena.sync()
+        for out, slot, n in zip(outs, slots, counts, strict=True):
+            out[...] = slot[:n]
+        return
     for lo in range(0, longest, per_round):
         slots = arena.next_half(src.dtype)
         piece = src[lo : lo + per_round]
         slots[r][: piece.size] = piece
         arena.sync()
-        for q, out in enumerate(outs):
-            if q != r:
-                dest = out[lo : lo + per_round]
-                dest[...] = slots[q][: dest.size]
+        for out, slot in zip(outs, slots, strict=True):
+            dest = out[lo : lo + per_round]
+            dest[...] = slot[: dest.size]
 
 
 def broadcast(arena, data: np.ndarray, src: int) -> None:
-    peers = _symmetric_inputs(arena, lambda: data, data.nbytes, BROADCAST_ZERO_COPY_MAX_BYTES)
-    if peers is not None:
-        # Only the non-roots write, each its own array, which no peer reads; the sync keeps the
-        # root until no peer reads its array.
-        if arena.rank != src:
-            data[...] = peers[src]
-        arena.sync()
+    if ZERO_COPY_BYTES <= data.nbytes <= BROADCAST_ZERO_COPY_MAX_BYTES:
+        peers = _symmetric_inputs(arena, data)
+        if peers is not None:
+            # Only the non-roots write, each its own array, which no peer reads; the sync keeps
+            # the root until no peer reads its array.
+            if arena.rank != src:
+                data[...] = peers[src]
+            arena.sync()
+            return
+    if data.nbytes <= arena.half:  # one round: the small call's few steps
+        slot = arena.next_half(data.dtype)[src][: data.size]
+        if arena.rank == src:
+            slot[...] = data
+            arena.sync()
+        else:
+            arena.sync()
+            data[...] = slot
         return
     raw = byte_view(data)
     for lo in range(0, raw.size, arena.half):
