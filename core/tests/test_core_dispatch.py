@@ -202,6 +202,77 @@ def test_checks_still_run_on_every_call_after_the_first():
         assert "must be a numpy or cupy array" in errors[2]
 
 
+def _gather_scatter_broadcast_twice_then_bad_input():
+    """Run in a rank: see the test below."""
+    from pluribus import distributed
+
+    p, r = pb.get_world_size(), pb.get_rank()
+    group = pb.get_default_group()
+    x = np.full(4, r + 1.0)
+    gathered, part, b = np.empty(4 * p), np.empty(2), np.full(3, float(r))
+    pb.all_gather(gathered, x)
+    pb.reduce_scatter(part, np.arange(2.0 * p))
+    pb.broadcast(b, src=p - 1)
+    cached = sorted(name for name in group.shortcuts if name != "all_reduce")
+    checks, check_array = [], distributed.check_array
+    distributed.check_array = lambda *args, **kwargs: checks.append(args)
+    try:
+        pb.all_gather(gathered, x)
+        pb.reduce_scatter(part, np.arange(2.0 * p))
+        pb.broadcast(b, src=p - 1)
+    finally:
+        distributed.check_array = check_array
+    assert np.array_equal(gathered, np.repeat(np.arange(1.0, p + 1), 4))
+    assert np.array_equal(part, np.arange(2.0 * r, 2.0 * r + 2) * p)
+    assert np.array_equal(b, np.full(3, p - 1.0))
+    read_only = np.empty(4 * p)
+    read_only.flags.writeable = False
+    errors = []
+    for call in (
+        lambda: pb.all_gather(np.empty(4 * p + 1), x),  # wrong size
+        lambda: pb.all_gather(np.empty(8 * p)[::2], x),  # not contiguous
+        lambda: pb.all_gather(read_only, x),
+        lambda: pb.all_gather(np.empty(4 * p, np.float32), x),  # another dtype
+        lambda: pb.reduce_scatter(part, np.arange(2.0 * p + 1)),  # wrong size
+        lambda: pb.reduce_scatter(part, np.arange(2.0 * p), pb.ReduceOp.BAND),
+        lambda: pb.reduce_scatter(np.empty(4)[::2], np.arange(2.0 * p)),  # not contiguous
+        lambda: pb.broadcast(np.empty(6)[::2], src=0),  # not contiguous
+        lambda: pb.broadcast(b, src=p),  # not a member
+    ):
+        with pytest.raises((ValueError, TypeError), match=f"rank {r}") as info:
+            call()
+        errors.append(str(info.value))
+    pb.all_gather(gathered, x * 2)  # nothing of the refused calls was sent
+    assert np.array_equal(gathered, np.repeat(np.arange(2.0, 2 * p + 1, 2), 4))
+    recorded = [(e["op"], e["state"], e["shape"]) for e in flight_recorder.recorder.snapshot()]
+    return cached, checks, errors, recorded
+
+
+@pytest.mark.timeout(60)
+def test_gather_scatter_and_broadcast_shortcuts_skip_only_what_the_first_call_settled():
+    """After a checked call, the next synchronous all_gather, reduce_scatter and broadcast with
+    the same array type, dtype and op skip the checks that call settled, and still refuse, on
+    every call and before anything is sent, what a call can get wrong on its own; the flight
+    recorder sees the calls that take the shortcut."""
+    results = run_ranks(
+        _gather_scatter_broadcast_twice_then_bad_input,
+        2,
+        backend="gloo",
+        env={flight_recorder.SIZE_ENV: "64"},
+    )
+    for cached, checks, errors, recorded in results:
+        assert cached == ["all_gather", "broadcast", "reduce_scatter"]
+        assert checks == []
+        assert "has 9 elements" in errors[0] and "not contiguous" in errors[1]
+        assert "read-only" in errors[2] and "dtype float32" in errors[3]
+        assert "has 5 elements" in errors[4] and "BAND needs an integer" in errors[5]
+        assert "not contiguous" in errors[6] and "not contiguous" in errors[7]
+        assert "src=2 is not a member" in errors[8]
+        twice = [("all_gather", [4]), ("reduce_scatter", [2]), ("broadcast", [3])] * 2
+        assert [(op, shape) for op, _, shape in recorded[:6]] == twice
+        assert {state for _, state, _ in recorded[:6]} == {"completed"}
+
+
 class Failing:
     @hookimpl(tryfirst=True)
     def pluribus_all_reduce(self, group, array, op, async_op):

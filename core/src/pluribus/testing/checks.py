@@ -331,6 +331,15 @@ def check_all_gather() -> None:
             pb.all_gather(outs, on_device(rank_input(rank, n, dtype)))
             for r in range(size):
                 assert_equal(outs[r], rank_input(r, n, dtype), f"all_gather list [{r}] n={n}")
+            # in place: the input is this rank's block of the output (torch's documented use)
+            out = xp.zeros(size * n, dtype=dtype)
+            mine = out[rank * n : (rank + 1) * n]
+            mine[...] = on_device(rank_input(rank, n, dtype))
+            pb.all_gather(out, mine)
+            for r in range(size):
+                assert_equal(
+                    out[r * n : (r + 1) * n], rank_input(r, n, dtype), f"in place, {r}, n={n}"
+                )
 
     # uneven: rank r contributes r * 3 + 1 elements (and rank 1 none at all when size > 2)
     def count(r):

@@ -302,6 +302,18 @@ def _reduce_scatter_copying(
 ) -> None:
     p, r = arena.size, arena.rank
     per_block = max(1, arena.half // (out.itemsize * p))
+    if longest <= per_block:  # one round: the small call's few steps
+        slots = arena.next_half(out.dtype)
+        mine = slots[r]
+        for q, block in enumerate(ins):
+            if q != r:
+                mine[q * per_block : q * per_block + block.size] = block
+        arena.sync()
+        start, m = r * per_block, ins[r].size
+        theirs = [slot[start : start + m] for j, slot in enumerate(slots) if j != r]
+        # own first: the output may be the input's memory
+        _reduce_in_order(ufunc, [ins[r], *theirs], out)
+        return
     others = [j for j in range(p) if j != r]
     for lo in range(0, longest, per_block):
         slots = arena.next_half(out.dtype)
