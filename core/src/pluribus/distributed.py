@@ -713,48 +713,16 @@ def all_gather(
     ``output`` is a list of one array per rank (their sizes may differ between ranks), or one
     array of ``size`` times ``array``'s rows (torch's ``all_gather_into_tensor``).
     """
-    if not async_op and type(output) is type(array):  # one output array
-        g, direct = _shortcut(group, "all_gather", array)
-        if (
-            direct is not None
-            and output.dtype is array.dtype
-            and output.size == array.size * g.size
-        ):
-            flags = output.flags
-            if (
-                flags.c_contiguous
-                and getattr(flags, "writeable", True)  # cupy has none
-                and array.flags.c_contiguous
-            ):
-                outputs = _blocks(output, g.size, array.size)
-                _run_direct(g, "all_gather", direct, (outputs, array))
-                return None
+    if not async_op:
+        found = _whole_shortcut(group, "all_gather", array, output, None, piece_written=False)
+        if found is not None:
+            g, direct, outputs = found
+            _run_direct(g, "all_gather", direct, (outputs, array))
+            return None
     g = _group(group)
-    r = g.global_rank
-    check_array(array, "array", r, writable=False)
+    check_array(array, "array", g.global_rank, writable=False)
     _carrier(g, array)
-    if isinstance(output, (list, tuple)):
-        outputs = list(output)
-        if len(outputs) != g.size:
-            raise ValueError(
-                f"rank {r}: all_gather output list has {len(outputs)} arrays, "
-                f"the group has {g.size} ranks"
-            )
-        for i, o in enumerate(outputs):
-            _check_same(array, o, f"output[{i}]", r)
-        if outputs[g.rank].size != array.size:
-            raise ValueError(
-                f"rank {r}: output[{g.rank}] has {outputs[g.rank].size} elements, "
-                f"this rank's input {array.size}"
-            )
-    else:
-        _check_same(array, output, "output", r)
-        if output.size != array.size * g.size:
-            raise ValueError(
-                f"rank {r}: all_gather output has {output.size} elements, expected "
-                f"{g.size} x {array.size} = {g.size * array.size}"
-            )
-        outputs = _blocks(output, g.size, array.size)
+    outputs = _per_rank(g, "all_gather", array, output, "output", "input")
     device = device_of(array)
     if not async_op:
         _remember(g, "all_gather", array, None, device)
@@ -776,54 +744,77 @@ def reduce_scatter(
     ``input`` is a list of one array per rank (block ``i`` goes to rank ``i``; sizes may differ)
     or one array of ``size`` times ``output``'s elements.
     """
-    if not async_op and type(input) is type(output):  # one input array
-        g, direct = _shortcut(group, "reduce_scatter", output, op)
-        if (
-            direct is not None
-            and input.dtype is output.dtype
-            and input.size == output.size * g.size
-        ):
-            flags, in_flags = output.flags, input.flags
-            if (
-                flags.c_contiguous
-                and getattr(flags, "writeable", True)  # cupy has none
-                and in_flags.c_contiguous
-                and getattr(in_flags, "writeable", True)
-            ):
-                inputs = _blocks(input, g.size, output.size)
-                _run_direct(g, "reduce_scatter", direct, (output, inputs, op))
-                return None
+    if not async_op:
+        found = _whole_shortcut(group, "reduce_scatter", output, input, op, piece_written=True)
+        if found is not None:
+            g, direct, inputs = found
+            _run_direct(g, "reduce_scatter", direct, (output, inputs, op))
+            return None
     g = _group(group)
-    r = g.global_rank
     device = _check_reduction(g, output, op, "output")
-    if isinstance(input, (list, tuple)):
-        inputs = list(input)
-        if len(inputs) != g.size:
-            raise ValueError(
-                f"rank {r}: reduce_scatter input list has {len(inputs)} arrays, "
-                f"the group has {g.size} ranks"
-            )
-        for i, x in enumerate(inputs):
-            _check_same(output, x, f"input[{i}]", r)
-        if inputs[g.rank].size != output.size:
-            raise ValueError(
-                f"rank {r}: input[{g.rank}] has {inputs[g.rank].size} elements but "
-                f"output has {output.size}"
-            )
-    else:
-        _check_same(output, input, "input", r)
-        if input.size != output.size * g.size:
-            raise ValueError(
-                f"rank {r}: reduce_scatter input has {input.size} elements, expected "
-                f"{g.size} x {output.size} = {g.size * output.size}"
-            )
-        inputs = _blocks(input, g.size, output.size)
+    inputs = _per_rank(g, "reduce_scatter", output, input, "input", "output")
     if not async_op:
         _remember(g, "reduce_scatter", output, op, device)
     return _issue(g, "reduce_scatter", device, async_op, output, inputs, op)
 
 
 reduce_scatter_tensor = reduce_scatter
+
+
+def _per_rank(g: ProcessGroup, call: str, piece: Any, whole: Any, what: str, piece_what: str):
+    """``whole`` (all-gather's output, reduce-scatter's input) as one array per rank, checked
+    against this rank's ``piece``: a list of one array per rank, this rank's of ``piece``'s
+    size, or one array of ``size`` times ``piece``'s elements, split."""
+    r = g.global_rank
+    if isinstance(whole, (list, tuple)):
+        blocks = list(whole)
+        if len(blocks) != g.size:
+            raise ValueError(
+                f"rank {r}: {call} {what} list has {len(blocks)} arrays, "
+                f"the group has {g.size} ranks"
+            )
+        for i, block in enumerate(blocks):
+            _check_same(piece, block, f"{what}[{i}]", r)
+        if blocks[g.rank].size != piece.size:
+            raise ValueError(
+                f"rank {r}: {what}[{g.rank}] has {blocks[g.rank].size} elements, this rank's "
+                f"{piece_what} {piece.size}"
+            )
+        return blocks
+    _check_same(piece, whole, what, r)
+    if whole.size != piece.size * g.size:
+        raise ValueError(
+            f"rank {r}: {call} {what} has {whole.size} elements, expected "
+            f"{g.size} x {piece.size} = {g.size * piece.size}"
+        )
+    return _blocks(whole, g.size, piece.size)
+
+
+def _whole_shortcut(
+    group: ProcessGroup | None,
+    name: str,
+    piece: Any,
+    whole: Any,
+    op: ReduceOp | None,
+    piece_written: bool,
+) -> tuple[ProcessGroup, Callable[..., None], list[Any]] | None:
+    """The group, direct function and ``whole``'s per-rank blocks of a synchronous call whose
+    ``whole`` is one array (not a list) and which the shortcut takes (:func:`_shortcut`): the
+    two arrays of one type and dtype, contiguous, ``whole`` ``size`` times ``piece`` and
+    writable (and ``piece`` too when ``piece_written``); else None."""
+    if type(whole) is not type(piece):
+        return None
+    g, direct = _shortcut(group, name, piece, op)
+    if direct is None or whole.dtype is not piece.dtype or whole.size != piece.size * g.size:
+        return None
+    flags, piece_flags = whole.flags, piece.flags
+    if not (flags.c_contiguous and piece_flags.c_contiguous):
+        return None
+    if not getattr(flags, "writeable", True):  # cupy has none
+        return None
+    if piece_written and not getattr(piece_flags, "writeable", True):
+        return None
+    return g, direct, _blocks(whole, g.size, piece.size)
 
 
 def all_to_all(
