@@ -241,6 +241,63 @@ def test_arena_mismatch_is_found_even_without_waiting():
         assert f"rank {1 - r} called" in message, message
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    size=st.integers(2, 4),
+    half=st.sampled_from([4096, 8192]),
+    seed=st.integers(0, 2**16),
+    big=st.integers(0, 5000),
+)
+def test_arena_all_to_all_uneven_over_rounds_that_ranks_need_in_different_numbers(
+    size, half, seed, big
+):
+    """Random uneven blocks (empty ones too), one of which may need many rounds while every
+    other fits in one (only its sender knows before the first sync), twice in a row with the
+    own block in place: every rank gets exactly what was sent to it."""
+    arenas = _thread_arenas(size, half)
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 40, (size, size))
+    counts[0, size - 1] = big  # counts[s, d]: elements rank s sends rank d
+    sent = {(s, d): rng.standard_normal(counts[s, d]) for s in range(size) for d in range(size)}
+
+    def rank_fn(a, r):
+        got = []
+        for call in range(2):
+            ins = [sent[r, d] + call for d in range(size)]
+            outs = [np.full(counts[s, r], np.nan) for s in range(size)]
+            outs[r] = ins[r]  # the own block in place
+            _announce(a, 7, 0)
+            local.all_to_all(a, outs, ins)
+            got.append(outs)
+        return got
+
+    for r, got in enumerate(_in_threads(arenas, rank_fn)):
+        for call, outs in enumerate(got):
+            for s in range(size):
+                np.testing.assert_array_equal(outs[s], sent[s, r] + call)
+
+
+def test_arena_all_to_all_size_mismatch_raises_on_both_ranks_of_the_pair():
+    """Rank 1 expects 5 elements from rank 0, which sends 4: both name the other and the
+    sizes, before any element is copied out."""
+    arenas = _thread_arenas(2, 4096)
+
+    def rank_fn(a, r):
+        ins = [np.ones(4), np.ones(4)]
+        outs = [np.zeros(5 if r == 1 else 4), np.zeros(4)]
+        _announce(a, 7, 0)
+        try:
+            local.all_to_all(a, outs, ins)
+        except CollectiveMismatchError as exc:
+            return str(exc), outs
+        return "no error", outs
+
+    for r, (message, outs) in enumerate(_in_threads(arenas, rank_fn)):
+        assert f"rank {r}: all_to_all" in message and f"rank {1 - r} sends" in message, message
+        assert "receives 5" in message or "expects 5" in message, message
+        assert not outs[1 - r].any(), "nothing of the peer's block was copied out"
+
+
 def test_arena_broadcast_roots_must_agree():
     a, b = _thread_arenas(2, 4096)
 
@@ -331,6 +388,10 @@ def _every_collective(sub_ranks: list[int]) -> dict:
                 b = np.full(n, me, dtype=np.uint8)
                 pb.broadcast(b, src=members[root], group=group)
                 assert (b == root).all()
+            sends = [np.full(blocks[(me + q) % p], 100 * me + q, np.int16) for q in range(p)]
+            got = [np.empty(blocks[(j + me) % p], np.int16) for j in range(p)]
+            pb.all_to_all(got, sends, group=group)
+            assert all((got[j] == 100 * j + me).all() for j in range(p))
             pb.barrier(group=group)
     if rank in sub_ranks:
         engine = sub.backends["cpu"].engine
@@ -410,6 +471,25 @@ def _arena_vs_ring_collective() -> None:
         pb.gather(x, [np.empty_like(x) for _ in range(2)], dst=1)  # not an arena collective
     else:
         pb.all_reduce(x)
+
+
+def _all_to_all_sizes_disagree() -> None:
+    rank = pb.get_rank()
+    outputs = [np.empty(3 if rank == 1 else 2), np.empty(2)]  # rank 1 expects 3 from rank 0
+    pb.all_to_all(outputs, [np.ones(2), np.ones(2)])
+
+
+@pytest.mark.timeout(60)
+def test_gloo_arena_all_to_all_sizes_that_disagree_raise_on_both_ranks():
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_all_to_all_sizes_disagree, 2, "gloo", "processes", timeout=30)
+    assert time.monotonic() - start < 20, "reported at once, not at a timeout"
+    errors = {e.rank: e for e in info.value.errors}
+    assert sorted(errors) == [0, 1]
+    for rank, error in errors.items():
+        assert error.kind == "CollectiveMismatchError", error
+        assert f"rank {1 - rank} sends this rank 2 elements" in error.message, error.message
 
 
 def _one_rank_late() -> float:

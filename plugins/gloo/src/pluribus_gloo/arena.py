@@ -159,6 +159,11 @@ class Arena:
         """Every rank's half for the next round, as whole arrays of ``dtype`` (views made once
         per dtype: slicing a cached view costs less than making one per call)."""
         self.round += 1
+        return self.current_half(dtype)
+
+    def current_half(self, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's half of the current round, as whole arrays of ``dtype`` (a second view
+        of the round :meth:`next_half` began, such as its header words)."""
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.typed[dtype] = [[h.view(dtype) for h in pair] for pair in self.halves]
@@ -283,10 +288,15 @@ class Arena:
         self.unchecked = False
         error = self._mismatch()
         if error is not None:
-            engine = self.engine
-            with engine.mutex:
-                engine._fail(error, "mismatch", -1)
-            raise error
+            self.raise_mismatch(error)
+
+    def raise_mismatch(self, error: CollectiveMismatchError) -> None:
+        """Fail the engine with ``error`` (its peers hear of it within milliseconds: their
+        sockets close and the store holds the report) and raise it here."""
+        engine = self.engine
+        with engine.mutex:
+            engine._fail(error, "mismatch", -1)
+        raise error
 
     # -- waiting
     def _arrived(self) -> bool:

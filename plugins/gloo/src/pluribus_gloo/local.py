@@ -29,6 +29,7 @@ import os
 import numpy as np
 from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view
+from pluribus.errors import CollectiveMismatchError
 
 from . import symmetric
 
@@ -369,6 +370,75 @@ def all_gather(arena, outs: list[np.ndarray], src: np.ndarray, counts: list[int]
         for out, slot in zip(outs, slots, strict=True):
             dest = out[lo : lo + per_round]
             dest[...] = slot[: dest.size]
+
+
+#: Bytes at the start of each all-to-all region, before the block's elements: the block's size
+#: and what its sender needs (a cache line of its own, which keeps the elements aligned).
+_HEADER_BYTES = 64
+_WORD = np.dtype(np.int64)
+
+
+def all_to_all_fits(arena) -> bool:
+    """Whether a half holds a region per peer with room for a header and some elements."""
+    return arena.half // (arena.size - 1) >= 2 * _HEADER_BYTES
+
+
+def all_to_all(arena, outs: list[np.ndarray], ins: list[np.ndarray]) -> None:
+    """Rank ``r``'s ``ins[q]`` into rank ``q``'s ``outs[r]``, through one region per peer in
+    each rank's half. The first round's headers carry, per block, its size, the size its
+    receiver expects from the sender (so that both ranks of a pair that disagree raise) and the
+    rounds the sender needs; after that round's sync every rank knows the most any rank needs
+    and all take that many. A rank copies its own block after its others went to the segment,
+    so its own output may overlap the blocks it sends in one round."""
+    p, r = arena.size, arena.rank
+    dtype = ins[r].dtype
+    region = arena.half // (p - 1) // _HEADER_BYTES * _HEADER_BYTES  # bytes
+    step, head = region // dtype.itemsize, _HEADER_BYTES // dtype.itemsize  # in elements
+    per_round, wstep = step - head, region // _WORD.itemsize
+    # region k of a rank's half goes to its k-th peer: here, where rank q reads what we send it
+    # and where we read what rank q sends us
+    to_peer = [(q, q - (q > r), r - (r > q)) for q in arena.peers]
+    rounds = max(1, -(-max([x.size for x in ins]) // per_round))
+    slots = arena.next_half(dtype)
+    words = arena.current_half(_WORD)
+    mine, my_words = slots[r], words[r]
+    for q, there, _ in to_peer:
+        block, at, w = ins[q], there * step + head, there * wstep
+        n = min(block.size, per_round)
+        mine[at : at + n] = block[:n]
+        my_words[w] = block.size
+        my_words[w + 1] = outs[q].size
+        my_words[w + 2] = rounds
+    if not np.shares_memory(outs[r], ins[r]):
+        np.copyto(outs[r], ins[r])
+    arena.sync()
+    for q, _, here in to_peer:
+        sent, expected, needed = words[q][here * wstep : here * wstep + 3].tolist()
+        if sent != outs[q].size or expected != ins[q].size:
+            arena.raise_mismatch(
+                CollectiveMismatchError(
+                    f"rank {r}: all_to_all on group {arena.group_name!r}: rank {q} sends this "
+                    f"rank {sent} elements and expects {expected} from it, but this rank "
+                    f"receives {outs[q].size} (outputs[{q}]) and sends {ins[q].size} "
+                    f"(inputs[{q}]); outputs[j] on rank i must have the size of inputs[i] on "
+                    "rank j"
+                )
+            )
+        rounds = max(rounds, needed)
+    for k in range(rounds):
+        lo = k * per_round
+        if k:
+            slots = arena.next_half(dtype)
+            mine = slots[r]
+            for q, there, _ in to_peer:
+                piece = ins[q][lo : lo + per_round]
+                if piece.size:
+                    mine[there * step + head : there * step + head + piece.size] = piece
+            arena.sync()
+        for q, _, here in to_peer:
+            dest = outs[q][lo : lo + per_round]
+            if dest.size:
+                dest[...] = slots[q][here * step + head : here * step + head + dest.size]
 
 
 def broadcast(arena, data: np.ndarray, src: int) -> None:
