@@ -202,7 +202,7 @@ def test_checks_still_run_on_every_call_after_the_first():
         assert "must be a numpy or cupy array" in errors[2]
 
 
-def _gather_scatter_broadcast_twice_then_bad_input():
+def _collectives_twice_then_bad_input():
     """Run in a rank: see the test below."""
     from pluribus import distributed
 
@@ -213,6 +213,8 @@ def _gather_scatter_broadcast_twice_then_bad_input():
     pb.all_gather(gathered, x)
     pb.reduce_scatter(part, np.arange(2.0 * p))
     pb.broadcast(b, src=p - 1)
+    sends, got = np.arange(3.0 * p) + 100 * r, np.empty(3 * p)
+    pb.all_to_all_single(got, sends)
     cached = sorted(name for name in group.shortcuts if name != "all_reduce")
     checks, check_array = [], distributed.check_array
     distributed.check_array = lambda *args, **kwargs: checks.append(args)
@@ -220,11 +222,16 @@ def _gather_scatter_broadcast_twice_then_bad_input():
         pb.all_gather(gathered, x)
         pb.reduce_scatter(part, np.arange(2.0 * p))
         pb.broadcast(b, src=p - 1)
+        pb.all_to_all_single(got, sends)
+        listed = [np.empty(3) for _ in range(p)]
+        pb.all_to_all(listed, [sends[3 * q : 3 * q + 3] for q in range(p)])
     finally:
         distributed.check_array = check_array
     assert np.array_equal(gathered, np.repeat(np.arange(1.0, p + 1), 4))
     assert np.array_equal(part, np.arange(2.0 * r, 2.0 * r + 2) * p)
     assert np.array_equal(b, np.full(3, p - 1.0))
+    expected = np.concatenate([np.arange(3.0 * r, 3.0 * r + 3) + 100 * q for q in range(p)])
+    assert np.array_equal(got, expected) and np.array_equal(np.concatenate(listed), expected)
     read_only = np.empty(4 * p)
     read_only.flags.writeable = False
     errors = []
@@ -238,6 +245,12 @@ def _gather_scatter_broadcast_twice_then_bad_input():
         lambda: pb.reduce_scatter(np.empty(4)[::2], np.arange(2.0 * p)),  # not contiguous
         lambda: pb.broadcast(np.empty(6)[::2], src=0),  # not contiguous
         lambda: pb.broadcast(b, src=p),  # not a member
+        lambda: pb.all_to_all_single(np.empty(6 * p)[::2], sends),  # not contiguous
+        lambda: pb.all_to_all_single(got, sends, [1] * p),  # split sizes: too few rows
+        lambda: pb.all_to_all_single(np.empty(3 * p, np.float32), sends),  # another dtype
+        lambda: pb.all_to_all([np.empty(3)] * (p + 1), [sends[:3]] * p),  # one output too many
+        lambda: pb.all_to_all([np.empty(4)] * p, [sends[:3]] * p),  # own block of other size
+        lambda: pb.all_to_all([read_only[:3]] * p, [sends[:3]] * p),
     ):
         with pytest.raises((ValueError, TypeError), match=f"rank {r}") as info:
             call()
@@ -249,28 +262,33 @@ def _gather_scatter_broadcast_twice_then_bad_input():
 
 
 @pytest.mark.timeout(60)
-def test_gather_scatter_and_broadcast_shortcuts_skip_only_what_the_first_call_settled():
-    """After a checked call, the next synchronous all_gather, reduce_scatter and broadcast with
-    the same array type, dtype and op skip the checks that call settled, and still refuse, on
-    every call and before anything is sent, what a call can get wrong on its own; the flight
-    recorder sees the calls that take the shortcut."""
+def test_shortcuts_skip_only_what_the_first_call_settled():
+    """After a checked call, the next synchronous all_gather, reduce_scatter, broadcast and
+    all_to_all with the same array type, dtype and op skip the checks that call settled, and
+    still refuse, on every call and before anything is sent, what a call can get wrong on its
+    own; the flight recorder sees the calls that take the shortcut."""
     results = run_ranks(
-        _gather_scatter_broadcast_twice_then_bad_input,
+        _collectives_twice_then_bad_input,
         2,
         backend="gloo",
         env={flight_recorder.SIZE_ENV: "64"},
     )
     for cached, checks, errors, recorded in results:
-        assert cached == ["all_gather", "broadcast", "reduce_scatter"]
+        assert cached == ["all_gather", "all_to_all", "broadcast", "reduce_scatter"]
         assert checks == []
         assert "has 9 elements" in errors[0] and "not contiguous" in errors[1]
         assert "read-only" in errors[2] and "dtype float32" in errors[3]
         assert "has 5 elements" in errors[4] and "BAND needs an integer" in errors[5]
         assert "not contiguous" in errors[6] and "not contiguous" in errors[7]
         assert "src=2 is not a member" in errors[8]
-        twice = [("all_gather", [4]), ("reduce_scatter", [2]), ("broadcast", [3])] * 2
-        assert [(op, shape) for op, _, shape in recorded[:6]] == twice
-        assert {state for _, state, _ in recorded[:6]} == {"completed"}
+        assert "not contiguous" in errors[9] and "must be 2 non-negative numbers" in errors[10]
+        assert "dtype float32" in errors[11] and "needs 2 inputs and outputs" in errors[12]
+        assert "differ in size" in errors[13] and "read-only" in errors[14]
+        once = [("all_gather", [4]), ("reduce_scatter", [2]), ("broadcast", [3])]
+        once += [("all_to_all", [3])]
+        twice = once + once + [("all_to_all", [3])]
+        assert [(op, shape) for op, _, shape in recorded[:9]] == twice
+        assert {state for _, state, _ in recorded[:9]} == {"completed"}
 
 
 class Failing:

@@ -824,6 +824,16 @@ def all_to_all(
     async_op: bool = False,
 ) -> Work | None:
     """Send ``inputs[j]`` to rank ``j``; receive rank ``j``'s array into ``outputs[j]``."""
+    if not async_op and inputs:
+        g, direct = _shortcut(group, "all_to_all", inputs[0])
+        if (
+            direct is not None
+            and len(outputs) == len(inputs) == g.size
+            and _all_like(inputs[0], inputs, outputs)
+            and outputs[g.rank].size == inputs[g.rank].size
+        ):
+            _run_direct(g, "all_to_all", direct, (list(outputs), list(inputs)))
+            return None
     g = _group(group)
     r = g.global_rank
     if len(outputs) != g.size or len(inputs) != g.size:
@@ -838,7 +848,24 @@ def all_to_all(
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
     if outputs[g.rank].size != inputs[g.rank].size:
         raise ValueError(f"rank {r}: outputs[{g.rank}] and inputs[{g.rank}] differ in size")
-    return _issue(g, "all_to_all", device_of(inputs[0]), async_op, list(outputs), list(inputs))
+    device = device_of(inputs[0])
+    if not async_op:
+        _remember(g, "all_to_all", inputs[0], None, device)
+    return _issue(g, "all_to_all", device, async_op, list(outputs), list(inputs))
+
+
+def _all_like(first: Any, *lists: list[Any]) -> bool:
+    """Whether every array of ``lists`` has ``first``'s type and dtype object and is contiguous
+    and writable: what the checks of a call with ``first``'s signature pass without a word."""
+    kind, dtype = type(first), first.dtype
+    for arrays in lists:
+        for array in arrays:
+            if type(array) is not kind or array.dtype is not dtype:
+                return False
+            flags = array.flags
+            if not flags.c_contiguous or not getattr(flags, "writeable", True):  # cupy has none
+                return False
+    return True
 
 
 def all_to_all_single(
@@ -850,31 +877,55 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Work | None:
     """All-to-all on rows of single arrays; split sizes (in rows) may differ per rank."""
+    if not async_op:
+        g, direct = _shortcut(group, "all_to_all", input)
+        if (
+            direct is not None
+            and type(output) is type(input)
+            and output.dtype is input.dtype
+            and input.flags.c_contiguous
+            and _all_like(input, (output,))
+        ):
+            inputs = _rows_per_rank(g, "input", input, input_split_sizes)
+            outputs = _rows_per_rank(g, "output", output, output_split_sizes)
+            if outputs[g.rank].size == inputs[g.rank].size:
+                _run_direct(g, "all_to_all", direct, (outputs, inputs))
+                return None
     g = _group(group)
     r = g.global_rank
     check_array(input, "input", r, writable=False)
     _check_same(input, output, "output", r)
-    splits = {}
-    for what, arr, sizes in (
-        ("input", input, input_split_sizes),
-        ("output", output, output_split_sizes),
-    ):
-        rows = arr.shape[0] if arr.ndim else 1
-        if sizes is None:
-            if rows % g.size:
-                raise ValueError(
-                    f"rank {r}: {what} has {rows} rows, not divisible by the group "
-                    f"size {g.size}; pass {what}_split_sizes"
-                )
-            sizes = [rows // g.size] * g.size
-        sizes = list(sizes)
-        if len(sizes) != g.size or sum(sizes) != rows or any(s < 0 for s in sizes):
+    _carrier(g, input)
+    inputs = _rows_per_rank(g, "input", input, input_split_sizes)
+    outputs = _rows_per_rank(g, "output", output, output_split_sizes)
+    if outputs[g.rank].size != inputs[g.rank].size:
+        raise ValueError(
+            f"rank {r}: this rank's block of output ({outputs[g.rank].size} elements) and of "
+            f"input ({inputs[g.rank].size}) differ in size"
+        )
+    device = device_of(input)
+    if not async_op:
+        _remember(g, "all_to_all", input, None, device)
+    return _issue(g, "all_to_all", device, async_op, outputs, inputs)
+
+
+def _rows_per_rank(g: ProcessGroup, what: str, array: Any, sizes: list[int] | None) -> list[Any]:
+    """``array`` cut into one block of rows per rank: ``sizes`` rows each, or equal blocks."""
+    rows = array.shape[0] if array.ndim else 1
+    if sizes is None:
+        if rows % g.size:
             raise ValueError(
-                f"rank {r}: {what}_split_sizes {sizes} must be {g.size} "
-                f"non-negative numbers adding up to the {rows} rows of {what}"
+                f"rank {g.global_rank}: {what} has {rows} rows, not divisible by the group "
+                f"size {g.size}; pass {what}_split_sizes"
             )
-        splits[what] = _split_by(arr, sizes)
-    return all_to_all(splits["output"], splits["input"], group=g, async_op=async_op)
+        return _split_rows(array, g.size) if array.ndim else [array]
+    sizes = list(sizes)
+    if len(sizes) != g.size or sum(sizes) != rows or any(n < 0 for n in sizes):
+        raise ValueError(
+            f"rank {g.global_rank}: {what}_split_sizes {sizes} must be {g.size} "
+            f"non-negative numbers adding up to the {rows} rows of {what}"
+        )
+    return _split_by(array, sizes)
 
 
 def gather(
