@@ -220,6 +220,8 @@ def _collectives_twice_then_bad_input():
     distributed.check_array = lambda *args, **kwargs: checks.append(args)
     try:
         pb.all_gather(gathered, x)
+        pieces = [np.empty(4) for _ in range(p)]
+        pb.all_gather(pieces, x)  # the list form
         pb.reduce_scatter(part, np.arange(2.0 * p))
         pb.broadcast(b, src=p - 1)
         pb.all_to_all_single(got, sends)
@@ -228,6 +230,7 @@ def _collectives_twice_then_bad_input():
     finally:
         distributed.check_array = check_array
     assert np.array_equal(gathered, np.repeat(np.arange(1.0, p + 1), 4))
+    assert np.array_equal(np.concatenate(pieces), gathered)
     assert np.array_equal(part, np.arange(2.0 * r, 2.0 * r + 2) * p)
     assert np.array_equal(b, np.full(3, p - 1.0))
     expected = np.concatenate([np.arange(3.0 * r, 3.0 * r + 3) + 100 * q for q in range(p)])
@@ -240,6 +243,8 @@ def _collectives_twice_then_bad_input():
         lambda: pb.all_gather(np.empty(8 * p)[::2], x),  # not contiguous
         lambda: pb.all_gather(read_only, x),
         lambda: pb.all_gather(np.empty(4 * p, np.float32), x),  # another dtype
+        lambda: pb.all_gather([np.empty(4)] * (p - 1), x),  # a list one short
+        lambda: pb.all_gather(None, x),  # not an array
         lambda: pb.reduce_scatter(part, np.arange(2.0 * p + 1)),  # wrong size
         lambda: pb.reduce_scatter(part, np.arange(2.0 * p), pb.ReduceOp.BAND),
         lambda: pb.reduce_scatter(np.empty(4)[::2], np.arange(2.0 * p)),  # not contiguous
@@ -278,6 +283,7 @@ def test_shortcuts_skip_only_what_the_first_call_settled():
         assert checks == []
         assert "has 9 elements" in errors[0] and "not contiguous" in errors[1]
         assert "read-only" in errors[2] and "dtype float32" in errors[3]
+        assert "list has 1 arrays" in errors.pop(4) and "numpy or cupy array" in errors.pop(4)
         assert "has 5 elements" in errors[4] and "BAND needs an integer" in errors[5]
         assert "not contiguous" in errors[6] and "not contiguous" in errors[7]
         assert "src=2 is not a member" in errors[8]
@@ -286,9 +292,9 @@ def test_shortcuts_skip_only_what_the_first_call_settled():
         assert "differ in size" in errors[13] and "read-only" in errors[14]
         once = [("all_gather", [4]), ("reduce_scatter", [2]), ("broadcast", [3])]
         once += [("all_to_all", [3])]
-        twice = once + once + [("all_to_all", [3])]
-        assert [(op, shape) for op, _, shape in recorded[:9]] == twice
-        assert {state for _, state, _ in recorded[:9]} == {"completed"}
+        twice = once + once[:1] + once + [("all_to_all", [3])]  # the list forms twice
+        assert [(op, shape) for op, _, shape in recorded[:10]] == twice
+        assert {state for _, state, _ in recorded[:10]} == {"completed"}
 
 
 class Failing:

@@ -714,7 +714,7 @@ def all_gather(
     array of ``size`` times ``array``'s rows (torch's ``all_gather_into_tensor``).
     """
     if not async_op:
-        found = _whole_shortcut(group, "all_gather", array, output, None, piece_written=False)
+        found = _per_rank_shortcut(group, "all_gather", array, output, None, False)
         if found is not None:
             g, direct, outputs = found
             _run_direct(g, "all_gather", direct, (outputs, array))
@@ -745,7 +745,7 @@ def reduce_scatter(
     or one array of ``size`` times ``output``'s elements.
     """
     if not async_op:
-        found = _whole_shortcut(group, "reduce_scatter", output, input, op, piece_written=True)
+        found = _per_rank_shortcut(group, "reduce_scatter", output, input, op, True)
         if found is not None:
             g, direct, inputs = found
             _run_direct(g, "reduce_scatter", direct, (output, inputs, op))
@@ -790,7 +790,7 @@ def _per_rank(g: ProcessGroup, call: str, piece: Any, whole: Any, what: str, pie
     return _blocks(whole, g.size, piece.size)
 
 
-def _whole_shortcut(
+def _per_rank_shortcut(
     group: ProcessGroup | None,
     name: str,
     piece: Any,
@@ -798,23 +798,24 @@ def _whole_shortcut(
     op: ReduceOp | None,
     piece_written: bool,
 ) -> tuple[ProcessGroup, Callable[..., None], list[Any]] | None:
-    """The group, direct function and ``whole``'s per-rank blocks of a synchronous call whose
-    ``whole`` is one array (not a list) and which the shortcut takes (:func:`_shortcut`): the
-    two arrays of one type and dtype, contiguous, ``whole`` ``size`` times ``piece`` and
-    writable (and ``piece`` too when ``piece_written``); else None."""
-    if type(whole) is not type(piece):
-        return None
+    """The group, direct function and per-rank blocks of ``whole`` (all-gather's output,
+    reduce-scatter's input: a list of one array per rank or one array) of a synchronous call
+    that the shortcut takes (:func:`_shortcut`): ``piece`` contiguous (and writable when
+    ``piece_written``), every array of ``whole`` of its type and dtype, contiguous and
+    writable, this rank's block of its size; else None."""
     g, direct = _shortcut(group, name, piece, op)
-    if direct is None or whole.dtype is not piece.dtype or whole.size != piece.size * g.size:
+    if direct is None:
         return None
-    flags, piece_flags = whole.flags, piece.flags
-    if not (flags.c_contiguous and piece_flags.c_contiguous):
+    flags = piece.flags
+    if not flags.c_contiguous or (piece_written and not getattr(flags, "writeable", True)):
         return None
-    if not getattr(flags, "writeable", True):  # cupy has none
+    if isinstance(whole, (list, tuple)):
+        if len(whole) == g.size and _all_like(piece, whole) and whole[g.rank].size == piece.size:
+            return g, direct, list(whole)
         return None
-    if piece_written and not getattr(piece_flags, "writeable", True):
-        return None
-    return g, direct, _blocks(whole, g.size, piece.size)
+    if _all_like(piece, (whole,)) and whole.size == piece.size * g.size:
+        return g, direct, _blocks(whole, g.size, piece.size)
+    return None
 
 
 def all_to_all(
