@@ -809,12 +809,15 @@ def _per_rank_shortcut(
     flags = piece.flags
     if not flags.c_contiguous or (piece_written and not getattr(flags, "writeable", True)):
         return None
+    if type(whole) is type(piece):  # one array, the usual form
+        if whole.dtype is piece.dtype and whole.size == piece.size * g.size:
+            flags = whole.flags
+            if flags.c_contiguous and getattr(flags, "writeable", True):
+                return g, direct, _blocks(whole, g.size, piece.size)
+        return None
     if isinstance(whole, (list, tuple)):
         if len(whole) == g.size and _all_like(piece, whole) and whole[g.rank].size == piece.size:
             return g, direct, list(whole)
-        return None
-    if _all_like(piece, (whole,)) and whole.size == piece.size * g.size:
-        return g, direct, _blocks(whole, g.size, piece.size)
     return None
 
 
