@@ -479,16 +479,23 @@ def _all_to_all_sizes_disagree() -> None:
     pb.all_to_all(outputs, [np.ones(2), np.ones(2)])
 
 
-@pytest.mark.timeout(60)
-def test_gloo_arena_all_to_all_sizes_that_disagree_raise_on_both_ranks():
+def _mismatch_on_both_ranks(fn) -> dict:
+    """Run ``fn`` on 2 gloo processes; both must fail at once with a CollectiveMismatchError.
+    Returns each rank's error."""
     start = time.monotonic()
     with pytest.raises(RanksFailed) as info:
-        run_ranks(_all_to_all_sizes_disagree, 2, "gloo", "processes", timeout=30)
-    assert time.monotonic() - start < 20, "reported at once, not at a timeout"
+        run_ranks(fn, 2, "gloo", "processes", timeout=30)
+    assert time.monotonic() - start < 20, "a mismatch is reported at once, not at a timeout"
     errors = {e.rank: e for e in info.value.errors}
     assert sorted(errors) == [0, 1]
-    for rank, error in errors.items():
+    for error in errors.values():
         assert error.kind == "CollectiveMismatchError", error
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_gloo_arena_all_to_all_sizes_that_disagree_raise_on_both_ranks():
+    for rank, error in _mismatch_on_both_ranks(_all_to_all_sizes_disagree).items():
         assert f"rank {1 - rank} sends this rank 2 elements" in error.message, error.message
 
 
@@ -505,14 +512,7 @@ def _one_rank_late() -> float:
 
 @pytest.mark.timeout(60)
 def test_gloo_arena_mismatch_with_a_ring_collective_raises_on_every_rank():
-    start = time.monotonic()
-    with pytest.raises(RanksFailed) as info:
-        run_ranks(_arena_vs_ring_collective, 2, "gloo", "processes", timeout=30)
-    assert time.monotonic() - start < 20, "a mismatch is reported at once, not at a timeout"
-    errors = {e.rank: e for e in info.value.errors}
-    assert sorted(errors) == [0, 1]
-    for error in errors.values():
-        assert error.kind == "CollectiveMismatchError", error
+    for error in _mismatch_on_both_ranks(_arena_vs_ring_collective).values():
         assert "gather" in error.message and "all_reduce" in error.message, error.message
 
 
