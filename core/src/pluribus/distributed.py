@@ -532,12 +532,6 @@ def _run_direct(g: ProcessGroup, name: str, direct: Callable[..., None], args: t
         direct(*args)
 
 
-def _blocks(array: Any, count: int, size: int) -> list[Any]:
-    """``count`` consecutive flat views of ``size`` elements of contiguous ``array``."""
-    whole = flat(array)
-    return [whole[i * size : (i + 1) * size] for i in range(count)]
-
-
 def _dispatch(g: ProcessGroup, name: str, device: str, async_op: bool, args: tuple):
     """A synchronous call directly when no plugin but the core's implements the hook, anything
     else through the hook."""
@@ -787,7 +781,7 @@ def _per_rank(g: ProcessGroup, call: str, piece: Any, whole: Any, what: str, pie
             f"rank {r}: {call} {what} has {whole.size} elements, expected "
             f"{g.size} x {piece.size} = {g.size * piece.size}"
         )
-    return _blocks(whole, g.size, piece.size)
+    return _split_rows(flat(whole), g.size, piece.size)
 
 
 def _per_rank_shortcut(
@@ -813,7 +807,7 @@ def _per_rank_shortcut(
         if whole.dtype is piece.dtype and whole.size == piece.size * g.size:
             flags = whole.flags
             if flags.c_contiguous and getattr(flags, "writeable", True):
-                return g, direct, _blocks(whole, g.size, piece.size)
+                return g, direct, _split_rows(flat(whole), g.size, piece.size)
         return None
     if isinstance(whole, (list, tuple)):
         if len(whole) == g.size and _all_like(piece, whole) and whole[g.rank].size == piece.size:

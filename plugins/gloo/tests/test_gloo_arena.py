@@ -277,6 +277,23 @@ def test_arena_all_to_all_uneven_over_rounds_that_ranks_need_in_different_number
                 np.testing.assert_array_equal(outs[s], sent[s, r] + call)
 
 
+def test_arena_all_to_all_takes_one_round_when_only_an_own_block_is_large():
+    """A rank's own block never goes through the segment, so it adds no round."""
+    arenas = _thread_arenas(2, 4096)
+
+    def rank_fn(a, r):
+        ins = [np.full(10_000 if q == r else 3, float(r)) for q in range(2)]
+        outs = [np.empty(10_000 if q == r else 3) for q in range(2)]
+        before = a.round
+        _announce(a, 7, 0)
+        local.all_to_all(a, outs, ins)
+        return a.round - before, outs
+
+    for r, (rounds, outs) in enumerate(_in_threads(arenas, rank_fn)):
+        assert rounds == 1
+        assert (outs[r] == r).all() and (outs[1 - r] == 1 - r).all()
+
+
 def test_arena_all_to_all_size_mismatch_raises_on_both_ranks_of_the_pair():
     """Rank 1 expects 5 elements from rank 0, which sends 4: both name the other and the
     sizes, before any element is copied out."""

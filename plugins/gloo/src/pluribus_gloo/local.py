@@ -398,7 +398,7 @@ def all_to_all(arena, outs: list[np.ndarray], ins: list[np.ndarray]) -> None:
     # region k of a rank's half goes to its k-th peer: here, where rank q reads what we send it
     # and where we read what rank q sends us
     to_peer = [(q, q - (q > r), r - (r > q)) for q in arena.peers]
-    rounds = max(1, -(-max([x.size for x in ins]) // per_round))
+    rounds = max(1, -(-max([ins[q].size for q in arena.peers]) // per_round))  # own: no round
     slots = arena.next_half(dtype)
     words = arena.current_half(_WORD)
     mine, my_words = slots[r], words[r]
