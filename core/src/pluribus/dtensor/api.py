@@ -132,7 +132,7 @@ class DTensor:
         xp = np if type(local) is np.ndarray else array_namespace(local)
 
         def compile_and_run(local, async_op):
-            run = compile_plan(mesh, plan, xp)
+            run = compile_plan(mesh, plan, xp, local.dtype)
             mesh.plan_cache[key] = (plan, run)
             return run(local, async_op)
 
