@@ -169,7 +169,12 @@ class DTensor:
             (self._layout, placements, type(local), local.dtype, donate)
         )
         plan, run = found if found is not None else self._compiled(placements, donate)
-        work, out, post = run(local, async_op)
+        if not async_op:
+            out = run(local, False)
+            if donate and plan.steps:
+                self._local = None
+            return DTensor(out, self._mesh, plan.dst)
+        work, out, post = run(local, True)
         if donate and plan.steps:
             self._local = None
         if work is None:

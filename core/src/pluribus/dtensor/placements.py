@@ -82,13 +82,9 @@ class Replicate(Placement):
     """Every rank along the mesh dimension holds the whole (sub)tensor."""
 
     __slots__ = ()
-    _made: dict[None, Replicate] = {}
 
     def __new__(cls) -> Replicate:
-        try:
-            return cls._made[None]
-        except KeyError:
-            return _interned(cls, cls._made, None)
+        return _REPLICATE
 
     def is_replicate(self) -> bool:
         return True
@@ -98,6 +94,9 @@ class Replicate(Placement):
 
     def __repr__(self) -> str:
         return "Replicate()"
+
+
+_REPLICATE = object.__new__(Replicate)
 
 
 class Partial(Placement):

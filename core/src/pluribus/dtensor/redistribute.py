@@ -5,8 +5,10 @@ reduce-scatter and all-to-all); equal ones as single arrays, the collectives' fa
 A plan is compiled once per (layout pair, array type, dtype) into one function per step, with
 the group, the reduction and the single-array-or-list choice already made, so that a repeated
 redistribute costs a cache lookup and the collective. A step function takes ``(local,
-async_op)`` and returns ``(work, out, post)``: once ``work`` (None for synchronous or local
-steps) is done, the new local array is ``out``, or ``post(out)`` where a layout change is left.
+async_op)``. Synchronous, it returns the new local array. With ``async_op`` it returns ``(work,
+out, post)``: once ``work`` (None for a local step) is done, the new local array is ``out``, or
+``post(out)`` where a layout change is left. (The synchronous call is the one users time
+against the collective by hand, so it builds no tuple.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from .. import distributed as dist
 from .plan import Plan, Step
 
-Run = Callable[[Any, bool], tuple[Any, Any, Any]]
+Run = Callable[[Any, bool], Any]
 
 
 def _front(xp: Any, array: Any, dim: int) -> Any:
@@ -52,15 +54,14 @@ def compile_plan(mesh: Any, plan: Plan, xp: Any, dtype: Any) -> Run:
         for step, shape in zip(plan.steps, shapes, strict=False)
     ]
     if not runs:
-        return lambda local, async_op: (None, local, None)
+        return _local_step(None)
     if len(runs) == 1:
         return runs[0]
     *first, last = runs
 
     def run_all(local, async_op):
         for run in first:
-            _, out, post = run(local, False)
-            local = out if post is None else post(out)
+            local = run(local, False)
         return last(local, async_op)
 
     return run_all
@@ -74,11 +75,11 @@ def _compile_step(mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, 
         d = step.dst.dim
         start = sum(step.dst_sizes[:me])
         index = (slice(None),) * d + (slice(start, start + step.dst_sizes[me]),)
-        return lambda local, async_op: (None, xp.ascontiguousarray(local[index]), None)
+        return _local_step(lambda local: xp.ascontiguousarray(local[index]))
     if kind == "partial_local":
         if step.dst.op == "sum" and me != 0:
-            return lambda local, async_op: (None, xp.zeros_like(local), None)
-        return lambda local, async_op: (None, local, None)
+            return _local_step(xp.zeros_like)
+        return _local_step(None)
     # perm: index along mesh dimension m -> rank in the group
     group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
@@ -96,6 +97,13 @@ def _compile_step(mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, 
     raise AssertionError(f"unknown step {kind}")
 
 
+def _local_step(make: Callable[[Any], Any] | None) -> Run:
+    """The step that makes the new piece with ``make`` (None: the piece stays as it is)."""
+    if make is None:
+        return lambda local, async_op: (None, local, None) if async_op else local
+    return lambda local, async_op: (None, make(local), None) if async_op else make(local)
+
+
 def _first(shape: tuple[int, ...], d: int) -> tuple[int, ...]:
     """``shape`` with dimension ``d`` moved first (what :func:`_front` makes of it)."""
     return (shape[d], *shape[:d], *shape[d + 1 :])
@@ -111,11 +119,17 @@ def _back(d: int, xp: Any):
 def _compile_all_reduce(step: Step, xp, dtype, shape, group) -> Run:
     op, all_reduce, empty = step.src.reduce_op, dist.all_reduce, xp.empty
     if step.how == "in place":
-        return lambda local, async_op: (all_reduce(local, op, group, async_op), local, None)
+
+        def in_place(local, async_op):
+            work = all_reduce(local, op, group, async_op)
+            return (work, local, None) if async_op else local
+
+        return in_place
 
     def out_of_place(local, async_op):
         out = empty(shape, dtype)  # empty_like's dispatch costs 0.2 us more
-        return all_reduce(local, op, group, async_op, out=out), out, None
+        work = all_reduce(local, op, group, async_op, out=out)
+        return (work, out, None) if async_op else out
 
     return out_of_place
 
@@ -131,7 +145,10 @@ def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity) -> 
         piece = local if not d and local.flags.c_contiguous else _front(xp, local, d)
         out = empty(shape, dtype)
         outputs = out if single else _ordered(perm, [out[s] for s in spans])
-        return all_gather(outputs, piece, group, async_op), out, post
+        work = all_gather(outputs, piece, group, async_op)
+        if async_op:
+            return work, out, post
+        return out if post is None else post(out)
 
     return gather
 
@@ -148,7 +165,10 @@ def _compile_reduce_scatter(step: Step, xp, dtype, front, group, perm, identity,
         whole = local if not d and local.flags.c_contiguous else _front(xp, local, d)
         out = empty(shape, dtype)
         inputs = whole if single else _ordered(perm, [whole[s] for s in spans])
-        return reduce_scatter(out, inputs, op, group, async_op), out, post
+        work = reduce_scatter(out, inputs, op, group, async_op)
+        if async_op:
+            return work, out, post
+        return out if post is None else post(out)
 
     return scatter
 
@@ -197,6 +217,9 @@ def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me) -> Run:
             else:
                 part = xp.ascontiguousarray(part)
             inputs[perm[k]], outputs[perm[k]] = part, block
-        return all_to_all(outputs, inputs, group, async_op), front, post
+        work = all_to_all(outputs, inputs, group, async_op)
+        if async_op:
+            return work, front, post
+        return front if post is None else post(front)
 
     return exchange
