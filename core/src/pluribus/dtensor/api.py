@@ -132,7 +132,7 @@ class DTensor:
         xp = np if type(local) is np.ndarray else array_namespace(local)
 
         def compile_and_run(local, async_op):
-            run = compile_plan(mesh, plan, xp, local.dtype)
+            run = compile_plan(mesh, plan, xp, local.dtype, DTensor)
             mesh.plan_cache[key] = (plan, run)
             return run(local, async_op)
 
@@ -170,12 +170,12 @@ class DTensor:
         )
         plan, run = found if found is not None else self._compiled(placements, donate)
         if not async_op:
-            out = run(local, False)
-            if donate and plan.steps:
+            made = run(local, False)  # the new DTensor
+            if donate:
                 self._local = None
-            return DTensor(out, self._mesh, plan.dst)
+            return made
         work, out, post = run(local, True)
-        if donate and plan.steps:
+        if donate:
             self._local = None
         if work is None:
             return DTensor(out if post is None else post(out), self._mesh, plan.dst)

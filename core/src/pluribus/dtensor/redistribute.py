@@ -5,10 +5,11 @@ reduce-scatter and all-to-all); equal ones as single arrays, the collectives' fa
 A plan is compiled once per (layout pair, array type, dtype) into one function per step, with
 the group, the reduction and the single-array-or-list choice already made, so that a repeated
 redistribute costs a cache lookup and the collective. A step function takes ``(local,
-async_op)``. Synchronous, it returns the new local array. With ``async_op`` it returns ``(work,
-out, post)``: once ``work`` (None for a local step) is done, the new local array is ``out``, or
-``post(out)`` where a layout change is left. (The synchronous call is the one users time
-against the collective by hand, so it builds no tuple.)
+async_op)``. Synchronous, it returns its result: the new DTensor for the plan's last step, the
+new local array for the others. With ``async_op`` it returns ``(work, out, post)``: once
+``work`` (None for a local step) is done, the new local array is ``out``, or ``post(out)``
+where a layout change is left. (The synchronous call is the one users time against the
+collective by hand, so its last step builds the DTensor itself, and no tuple.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from .. import distributed as dist
 from .plan import Plan, Step
 
 Run = Callable[[Any, bool], Any]
+#: what a step's synchronous call returns, made from its new piece: ``(make, mesh, layout)``,
+#: where ``make(piece, mesh, layout)`` builds it
+Result = tuple[Callable[[Any, Any, Any], Any], Any, Any]
+
+
+def _piece(piece: Any, mesh: Any, layout: Any) -> Any:
+    """The result of a step that is not the plan's last: the piece itself."""
+    return piece
 
 
 def _front(xp: Any, array: Any, dim: int) -> Any:
@@ -43,18 +52,26 @@ def _ordered(perm: list[int], items: list) -> list:
     return out
 
 
-def compile_plan(mesh: Any, plan: Plan, xp: Any, dtype: Any) -> Run:
+def compile_plan(mesh: Any, plan: Plan, xp: Any, dtype: Any, make: Callable) -> Run:
     """One function that runs every step of ``plan`` on arrays of namespace ``xp`` and
     ``dtype`` (only the last collective runs in the background: each step needs the one
-    before). Each step's new array has its shape worked out here, from the layout before the
-    step: building it from the piece's shape on every call costs more than the allocation."""
-    shapes = [layout.local_shape(mesh.coordinate) for layout in plan.layouts]
+    before), and whose synchronous call returns ``make(new piece, mesh, plan.dst)``. Each
+    step's new array has its shape worked out here, from the layout before the step: building
+    it from the piece's shape on every call costs more than the allocation."""
+    last = len(plan.steps) - 1
     runs = [
-        _compile_step(mesh, step, xp, dtype, shape)
-        for step, shape in zip(plan.steps, shapes, strict=False)
+        _compile_step(
+            mesh,
+            step,
+            xp,
+            dtype,
+            plan.layouts[k].local_shape(mesh.coordinate),
+            (make if k == last else _piece, mesh, plan.layouts[k + 1]),
+        )
+        for k, step in enumerate(plan.steps)
     ]
     if not runs:
-        return _local_step(None)
+        return _local_step(None, (make, mesh, plan.dst))
     if len(runs) == 1:
         return runs[0]
     *first, last = runs
@@ -67,7 +84,9 @@ def compile_plan(mesh: Any, plan: Plan, xp: Any, dtype: Any) -> Run:
     return run_all
 
 
-def _compile_step(mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, ...]) -> Run:
+def _compile_step(
+    mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, ...], result: Result
+) -> Run:
     """The function of one step whose input piece has ``shape``."""
     m, kind = step.mesh_dim, step.kind
     me = mesh.coordinate[m]
@@ -75,33 +94,38 @@ def _compile_step(mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, 
         d = step.dst.dim
         start = sum(step.dst_sizes[:me])
         index = (slice(None),) * d + (slice(start, start + step.dst_sizes[me]),)
-        return _local_step(lambda local: xp.ascontiguousarray(local[index]))
+        return _local_step(lambda local: xp.ascontiguousarray(local[index]), result)
     if kind == "partial_local":
         if step.dst.op == "sum" and me != 0:
-            return _local_step(xp.zeros_like)
-        return _local_step(None)
+            return _local_step(xp.zeros_like, result)
+        return _local_step(None, result)
     # perm: index along mesh dimension m -> rank in the group
     group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
-        return _compile_all_reduce(step, xp, dtype, shape, group)
+        return _compile_all_reduce(step, xp, dtype, shape, group, result)
     if kind == "all_gather":
-        return _compile_all_gather(
-            step, xp, dtype, _first(shape, step.src.dim), group, perm, identity
-        )
+        front = _first(shape, step.src.dim)
+        return _compile_all_gather(step, xp, dtype, front, group, perm, identity, result)
     if kind == "reduce_scatter":
-        return _compile_reduce_scatter(
-            step, xp, dtype, _first(shape, step.dst.dim), group, perm, identity, me
-        )
+        front = _first(shape, step.dst.dim)
+        return _compile_reduce_scatter(step, xp, dtype, front, group, perm, identity, me, result)
     if kind == "all_to_all":
-        return _compile_all_to_all(step, xp, dtype, shape, group, perm, me)
+        return _compile_all_to_all(step, xp, dtype, shape, group, perm, me, result)
     raise AssertionError(f"unknown step {kind}")
 
 
-def _local_step(make: Callable[[Any], Any] | None) -> Run:
-    """The step that makes the new piece with ``make`` (None: the piece stays as it is)."""
-    if make is None:
-        return lambda local, async_op: (None, local, None) if async_op else local
-    return lambda local, async_op: (None, make(local), None) if async_op else make(local)
+def _local_step(new: Callable[[Any], Any] | None, result: Result) -> Run:
+    """The step that makes the new piece with ``new`` (None: the piece stays as it is)."""
+    make, mesh, layout = result
+    if new is None:
+        return lambda local, async_op: (
+            (None, local, None) if async_op else make(local, mesh, layout)
+        )
+
+    def run(local, async_op):
+        return (None, new(local), None) if async_op else make(new(local), mesh, layout)
+
+    return run
 
 
 def _first(shape: tuple[int, ...], d: int) -> tuple[int, ...]:
@@ -116,27 +140,29 @@ def _back(d: int, xp: Any):
     return lambda out: xp.ascontiguousarray(xp.moveaxis(out, 0, d))
 
 
-def _compile_all_reduce(step: Step, xp, dtype, shape, group) -> Run:
+def _compile_all_reduce(step: Step, xp, dtype, shape, group, result: Result) -> Run:
     op, all_reduce, empty = step.src.reduce_op, dist.all_reduce, xp.empty
+    make, mesh, layout = result
     if step.how == "in place":
 
         def in_place(local, async_op):
             work = all_reduce(local, op, group, async_op)
-            return (work, local, None) if async_op else local
+            return (work, local, None) if async_op else make(local, mesh, layout)
 
         return in_place
 
     def out_of_place(local, async_op):
         out = empty(shape, dtype)  # empty_like's dispatch costs 0.2 us more
         work = all_reduce(local, op, group, async_op, out=out)
-        return (work, out, None) if async_op else out
+        return (work, out, None) if async_op else make(out, mesh, layout)
 
     return out_of_place
 
 
-def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity) -> Run:
+def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity, result) -> Run:
     """``front``: the piece's shape with the gathered dimension first."""
     d, sizes, all_gather, empty = step.src.dim, step.src_sizes, dist.all_gather, xp.empty
+    make, mesh, layout = result
     shape, post = (sum(sizes), *front[1:]), _back(d, xp)
     spans = [slice(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
     single = identity and step.even
@@ -148,14 +174,17 @@ def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity) -> 
         work = all_gather(outputs, piece, group, async_op)
         if async_op:
             return work, out, post
-        return out if post is None else post(out)
+        return make(out if post is None else post(out), mesh, layout)
 
     return gather
 
 
-def _compile_reduce_scatter(step: Step, xp, dtype, front, group, perm, identity, me) -> Run:
+def _compile_reduce_scatter(
+    step: Step, xp, dtype, front, group, perm, identity, me, result: Result
+) -> Run:
     """``front``: the term's shape with the scattered dimension first."""
     d, sizes, op = step.dst.dim, step.dst_sizes, step.src.reduce_op
+    make, mesh, layout = result
     reduce_scatter, post, empty = dist.reduce_scatter, _back(d, xp), xp.empty
     shape = (sizes[me], *front[1:])
     spans = [slice(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
@@ -168,12 +197,12 @@ def _compile_reduce_scatter(step: Step, xp, dtype, front, group, perm, identity,
         work = reduce_scatter(out, inputs, op, group, async_op)
         if async_op:
             return work, out, post
-        return out if post is None else post(out)
+        return make(out if post is None else post(out), mesh, layout)
 
     return scatter
 
 
-def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me) -> Run:
+def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me, result: Result) -> Run:
     """Every rank's part of the new sharding arrives straight in its place: the new piece is
     built with the gathered dimension ``i`` first, where each sender's part is one contiguous
     block (so for ``i == 0`` the piece needs no copy after the collective), and this rank's own
@@ -198,6 +227,7 @@ def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me) -> Run:
     sends = [(slice(None),) * along + (s,) for s in sends]
     blocks = [slice(o, o + n) for o, n in zip(_offsets(got), got, strict=True)]
     all_to_all, post, empty = dist.all_to_all, _back(i, xp), xp.empty
+    make, mesh, layout = result
     new = list(shape)
     if i != j:
         new[j] = dst_sizes[me]
@@ -220,6 +250,6 @@ def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me) -> Run:
         work = all_to_all(outputs, inputs, group, async_op)
         if async_op:
             return work, front, post
-        return front if post is None else post(front)
+        return make(front if post is None else post(front), mesh, layout)
 
     return exchange
