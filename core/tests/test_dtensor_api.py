@@ -109,6 +109,10 @@ def _plan_body():
     np.testing.assert_array_equal(piece, np.ones(4))
     with pytest.raises(ValueError, match="donate=True"):
         ones.to_local()
+    same = summed.redistribute(placements=summed.placements, donate=True)  # nothing to do
+    assert same.to_local() is piece
+    with pytest.raises(ValueError, match="donate=True"):
+        summed.redistribute(placements=[Shard(0), Replicate()])
     return True
 
 

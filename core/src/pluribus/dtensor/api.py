@@ -151,7 +151,8 @@ class DTensor:
         :meth:`redistribute_plan` shows. With ``async_op`` the last collective runs in the
         background; the result waits for it on first use. With ``donate`` (JAX's word) the
         collectives may work in this DTensor's piece instead of a copy (an all-reduce then
-        costs exactly the hand-written one), and this DTensor can no longer be used."""
+        costs exactly the hand-written one), and this DTensor can no longer be used, whatever
+        the plan (as with JAX's donated buffers)."""
         if device_mesh is not None and device_mesh is not self._mesh and device_mesh != self._mesh:
             raise ValueError(
                 f"rank {_rank()}: redistribute cannot move a DTensor to another mesh "
