@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import mmap
+import os
 import threading
 import time
 
@@ -24,7 +25,7 @@ from pluribus.errors import CollectiveMismatchError, DistTimeoutError
 from pluribus.store import HashStore, PrefixStore
 from pluribus.testing import RanksFailed, run_ranks
 from pluribus_gloo import arena as arena_mod
-from pluribus_gloo import local, symmetric
+from pluribus_gloo import cma, local, symmetric
 from pluribus_gloo.engine import Op
 
 
@@ -74,13 +75,14 @@ class _FakeEngine:
             time.sleep(0)
 
 
-def _thread_arenas(size: int, half: int):
-    """``size`` arenas over one anonymous mapping, as the ranks of one group would see it."""
+def _thread_arenas(size: int, half: int, pids: list[int] | None = None):
+    """``size`` arenas over one anonymous mapping, as the ranks of one group would see it
+    (``pids``: the process of each rank, when the group may read its members' memory)."""
     total = arena_mod._control_bytes(size) + 2 * size * half
     segment = mmap.mmap(-1, total)
     engines = [_FakeEngine(size) for _ in range(size)]
     return [
-        arena_mod.Arena(segment, size, r, half, engines[r], list(range(size)), 10.0)
+        arena_mod.Arena(segment, size, r, half, engines[r], list(range(size)), 10.0, pids=pids)
         for r in range(size)
     ]
 
@@ -247,14 +249,16 @@ def test_arena_mismatch_is_found_even_without_waiting():
     half=st.sampled_from([4096, 8192]),
     seed=st.integers(0, 2**16),
     big=st.integers(0, 5000),
+    read_in_place=st.booleans(),
 )
 def test_arena_all_to_all_uneven_over_rounds_that_ranks_need_in_different_numbers(
-    size, half, seed, big
+    size, half, seed, big, read_in_place
 ):
     """Random uneven blocks (empty ones too), one of which may need many rounds while every
     other fits in one (only its sender knows before the first sync), twice in a row with the
-    own block in place: every rank gets exactly what was sent to it."""
-    arenas = _thread_arenas(size, half)
+    own block in place: every rank gets exactly what was sent to it, through the segment or,
+    where the group may read its members' memory, the large block copied out of its sender's."""
+    arenas = _thread_arenas(size, half, [os.getpid()] * size if read_in_place else None)
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 40, (size, size))
     counts[0, size - 1] = big  # counts[s, d]: elements rank s sends rank d
@@ -294,14 +298,16 @@ def test_arena_all_to_all_takes_one_round_when_only_an_own_block_is_large():
         assert (outs[r] == r).all() and (outs[1 - r] == 1 - r).all()
 
 
-def test_arena_all_to_all_size_mismatch_raises_on_both_ranks_of_the_pair():
-    """Rank 1 expects 5 elements from rank 0, which sends 4: both name the other and the
-    sizes, before any element is copied out."""
-    arenas = _thread_arenas(2, 4096)
+@pytest.mark.parametrize("n", [4, 4000])
+def test_arena_all_to_all_size_mismatch_raises_on_both_ranks_of_the_pair(n):
+    """Rank 1 expects n + 1 elements from rank 0, which sends n: both name the other and the
+    sizes, before any element is copied out (of the segment, or for a large block, of the
+    sender's memory)."""
+    arenas = _thread_arenas(2, 4096, [os.getpid()] * 2)
 
     def rank_fn(a, r):
-        ins = [np.ones(4), np.ones(4)]
-        outs = [np.zeros(5 if r == 1 else 4), np.zeros(4)]
+        ins = [np.ones(n), np.ones(n)]
+        outs = [np.zeros(n + 1 if r == 1 else n), np.zeros(n)]
         _announce(a, 7, 0)
         try:
             local.all_to_all(a, outs, ins)
@@ -311,8 +317,50 @@ def test_arena_all_to_all_size_mismatch_raises_on_both_ranks_of_the_pair():
 
     for r, (message, outs) in enumerate(_in_threads(arenas, rank_fn)):
         assert f"rank {r}: all_to_all" in message and f"rank {1 - r} sends" in message, message
-        assert "receives 5" in message or "expects 5" in message, message
+        assert f"receives {n + 1}" in message or f"expects {n + 1}" in message, message
         assert not outs[1 - r].any(), "nothing of the peer's block was copied out"
+
+
+def test_arena_all_to_all_reads_a_large_block_in_place_in_one_round_and_one_more_sync():
+    """A block too large for one round, where the group may read its members' memory, is
+    copied out of its sender's array: no rounds for it, one sync more so that its sender keeps
+    it until then; the small blocks still go through the segment."""
+    arenas = _thread_arenas(3, 4096, [os.getpid()] * 3)
+
+    def rank_fn(a, r):
+        sizes = [[2, 5000, 3], [4, 1, 6], [7, 8, 9]]  # sizes[s][d]: rank s sends rank d
+        ins = [np.full(sizes[r][d], 10.0 * r + d) for d in range(3)]
+        outs = [np.empty(sizes[s][r]) for s in range(3)]
+        round_before, stage_before = a.round, a.stage
+        _announce(a, 7, 0)
+        local.all_to_all(a, outs, ins)
+        return a.round - round_before, a.stage - stage_before, outs
+
+    for r, (rounds, syncs, outs) in enumerate(_in_threads(arenas, rank_fn)):
+        assert (rounds, syncs) == (1, 2), "the large block took no round, and one sync more"
+        for s in range(3):
+            assert (outs[s] == 10.0 * s + r).all()
+
+
+def test_arena_all_to_all_that_cannot_read_a_peer_raises_naming_the_switch():
+    """When the kernel refuses the read (here: a process that does not exist), the rank says
+    which peer's block it could not read and how to send it through the segment instead, and
+    fails its engine, so that its peers hear of it too."""
+    arenas = _thread_arenas(2, 4096, [2**22 + 12345] * 2)
+
+    def rank_fn(a, r):
+        ins = [np.ones(5000), np.ones(5000)]
+        _announce(a, 7, 0)
+        try:
+            local.all_to_all(a, [np.zeros(5000), np.zeros(5000)], ins)
+        except pb.PluribusError as exc:
+            return str(exc), a.engine.failed is exc
+        return "no error", False
+
+    for r, (message, failed) in enumerate(_in_threads(arenas, rank_fn)):
+        assert f"rank {r}: all_to_all" in message and f"rank {1 - r}'s block" in message, message
+        assert "PLURIBUS_GLOO_CMA=0" in message, message
+        assert failed, "the engine failed with it"
 
 
 def test_arena_broadcast_roots_must_agree():
@@ -370,7 +418,8 @@ def _every_collective(sub_ranks: list[int]) -> dict:
     """Every arena collective on the world and on a sub-group, against numpy."""
     rank, size = pb.get_rank(), pb.get_world_size()
     sub = pb.new_group(sub_ranks)
-    report = {"world": pb.get_default_group().backends["cpu"].arena is not None}
+    arena = pb.get_default_group().backends["cpu"].arena
+    report = {"world": arena is not None, "cma": arena is not None and arena.pids is not None}
     if rank in sub_ranks:
         report["sub"] = sub.backends["cpu"].arena is not None
     for group, members in ((None, list(range(size))), (sub, sub_ranks)):
@@ -418,9 +467,41 @@ def _every_collective(sub_ranks: list[int]) -> dict:
     return report
 
 
+def _offer_a_word(conn) -> None:
+    word = np.array([12345], dtype=np.uint64)
+    conn.send((os.getpid(), word.ctypes.data))
+    conn.recv()  # keep the word until the reader is done
+
+
+def _processes_may_read_each_other() -> bool:
+    """Whether this host lets one process read another's memory (what the arena checks)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    child = context.Process(target=_offer_a_word, args=(there,))
+    child.start()
+    try:
+        pid, address = here.recv()
+        seen = np.zeros(1, dtype=np.uint64)
+        try:
+            cma.read(pid, seen, address)
+        except OSError:
+            return False
+        return int(seen[0]) == 12345
+    finally:
+        here.send("done")
+        child.join(10)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world, sub_ranks", [(2, [0, 1]), (3, [0, 2])])
-def test_gloo_arena_collectives_on_processes(world, sub_ranks):
+@pytest.mark.parametrize(
+    "world, sub_ranks, read_in_place",
+    [(2, [0, 1], "1"), (2, [0, 1], "0"), (3, [0, 2], "1")],
+)
+def test_gloo_arena_collectives_on_processes(world, sub_ranks, read_in_place):
+    """Also with large all-to-all blocks read out of their senders' memory where the host
+    allows it, and with that turned off."""
     got = run_ranks(
         _every_collective,
         world,
@@ -428,10 +509,13 @@ def test_gloo_arena_collectives_on_processes(world, sub_ranks):
         "processes",
         timeout=90,
         args=(sub_ranks,),
+        env={"PLURIBUS_GLOO_CMA": read_in_place},
         backend_options={"arena_bytes": 64 << 10},
     )
+    expected = read_in_place == "1" and _processes_may_read_each_other()
     for rank, report in enumerate(got):
         assert report["world"], "every rank is on this host: the world uses an arena"
+        assert report["cma"] == expected, report
         if rank in sub_ranks:
             assert report["sub"], "so does a sub-group of them"
             assert report["released"], "destroying the sub-group unmaps its arena"

@@ -47,7 +47,7 @@ import time
 import numpy as np
 from pluribus.errors import CollectiveMismatchError
 
-from . import futex, shm, wire
+from . import cma, futex, shm, wire
 from .engine import Op
 
 log = logging.getLogger("pluribus.gloo")
@@ -83,9 +83,21 @@ class Arena:
     """One rank's view of its group's segment."""
 
     def __init__(
-        self, segment: mmap.mmap, size: int, rank: int, half: int, engine, ranks, timeout, name=""
+        self,
+        segment: mmap.mmap,
+        size: int,
+        rank: int,
+        half: int,
+        engine,
+        ranks,
+        timeout,
+        name="",
+        pids: list[int] | None = None,
     ):
         self.group_name = ""  # for error messages
+        #: every member's process id when every member may read the others' memory
+        #: (:mod:`pluribus_gloo.cma`), else None
+        self.pids = pids
         #: the segment's name (gone from /dev/shm once every member mapped it): unique on this
         #: host, and known to every member, so symmetric allocations derive theirs from it
         self.name = name
@@ -288,14 +300,15 @@ class Arena:
         self.unchecked = False
         error = self._mismatch()
         if error is not None:
-            self.raise_mismatch(error)
+            self.raise_error(error, "mismatch")
 
-    def raise_mismatch(self, error: CollectiveMismatchError) -> None:
+    def raise_error(self, error: Exception, code: str) -> None:
         """Fail the engine with ``error`` (its peers hear of it within milliseconds: their
-        sockets close and the store holds the report) and raise it here."""
+        sockets close and the store holds the report; ``code`` says what kind of failure) and
+        raise it here."""
         engine = self.engine
         with engine.mutex:
-            engine._fail(error, "mismatch", -1)
+            engine._fail(error, code, -1)
         raise error
 
     # -- waiting
@@ -405,7 +418,8 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
         segment = shm.map_if_possible(name, total, "the group's shared memory") if name else None
         store.set(f"arena/mapped/{rank}", "1" if segment is not None else "0")
         if name and store.get("arena/verdict", timeout) == b"1":
-            return Arena(segment, size, rank, half, engine, ranks, timeout, name)
+            pids = cma.agree(store, rank, size, timeout, options)
+            return Arena(segment, size, rank, half, engine, ranks, timeout, name, pids)
         if segment is not None:
             segment.close()
         return None
@@ -432,4 +446,5 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
     if not mapped:
         segment.close()
         return None
-    return Arena(segment, size, rank, half, engine, ranks, timeout, name)
+    pids = cma.agree(store, rank, size, timeout, options)
+    return Arena(segment, size, rank, half, engine, ranks, timeout, name, pids)

@@ -29,9 +29,9 @@ import os
 import numpy as np
 from pluribus.algorithms import chunk_bounds
 from pluribus.arrays import byte_view
-from pluribus.errors import CollectiveMismatchError
+from pluribus.errors import CollectiveMismatchError, PluribusError
 
-from . import symmetric
+from . import cma, symmetric
 
 #: An all-reduce whose ``p`` copies together take at most this many bytes reduces whole arrays
 #: in one phase (every rank reads them all); above, each rank reduces one part and gathers the
@@ -386,10 +386,14 @@ def all_to_all_fits(arena) -> bool:
 def all_to_all(arena, outs: list[np.ndarray], ins: list[np.ndarray]) -> None:
     """Rank ``r``'s ``ins[q]`` into rank ``q``'s ``outs[r]``, through one region per peer in
     each rank's half. The first round's headers carry, per block, its size, the size its
-    receiver expects from the sender (so that both ranks of a pair that disagree raise) and the
-    rounds the sender needs; after that round's sync every rank knows the most any rank needs
-    and all take that many. A rank copies its own block after its others went to the segment,
-    so its own output may overlap the blocks it sends in one round."""
+    receiver expects from the sender (so that both ranks of a pair that disagree raise), the
+    rounds the sender needs, and, for a block too large for one round where the group may read
+    its members' memory (:mod:`pluribus_gloo.cma`), the block's address: its receiver copies
+    it from there, once, and the block takes no round. After that round's sync every rank knows
+    the most rounds any rank needs and all take that many, and one sync more at the end when
+    any block was read in place (its sender keeps it until then). A rank copies its own block
+    after its others went to the segment, so its own output may overlap the blocks it sends in
+    one round."""
     p, r = arena.size, arena.rank
     dtype = ins[r].dtype
     region = arena.half // (p - 1) // _HEADER_BYTES * _HEADER_BYTES  # bytes
@@ -398,33 +402,59 @@ def all_to_all(arena, outs: list[np.ndarray], ins: list[np.ndarray]) -> None:
     # region k of a rank's half goes to its k-th peer: here, where rank q reads what we send it
     # and where we read what rank q sends us
     to_peer = [(q, q - (q > r), r - (r > q)) for q in arena.peers]
-    rounds = max(1, -(-max([ins[q].size for q in arena.peers]) // per_round))  # own: no round
+    in_place = _read_in_place(arena, outs, ins, per_round)
+    longest = max([0 if q in in_place else ins[q].size for q in arena.peers])
+    rounds = max(1, -(-longest // per_round))  # own block: no round
     slots = arena.next_half(dtype)
     words = arena.current_half(_WORD)
     mine, my_words = slots[r], words[r]
     for q, there, _ in to_peer:
         block, at, w = ins[q], there * step + head, there * wstep
-        n = min(block.size, per_round)
-        mine[at : at + n] = block[:n]
+        if q in in_place:
+            my_words[w + 3] = block.ctypes.data
+        else:
+            n = min(block.size, per_round)
+            mine[at : at + n] = block[:n]
+            my_words[w + 3] = 0
         my_words[w] = block.size
         my_words[w + 1] = outs[q].size
         my_words[w + 2] = rounds
+        my_words[w + 4] = len(in_place)
     if not np.shares_memory(outs[r], ins[r]):
         np.copyto(outs[r], ins[r])
     arena.sync()
+    pulled, final_sync = {}, bool(in_place)
     for q, _, here in to_peer:
-        sent, expected, needed = words[q][here * wstep : here * wstep + 3].tolist()
+        sent, expected, needed, address, offered = words[q][
+            here * wstep : here * wstep + 5
+        ].tolist()
         if sent != outs[q].size or expected != ins[q].size:
-            arena.raise_mismatch(
+            arena.raise_error(
                 CollectiveMismatchError(
                     f"rank {r}: all_to_all on group {arena.group_name!r}: rank {q} sends this "
                     f"rank {sent} elements and expects {expected} from it, but this rank "
                     f"receives {outs[q].size} (outputs[{q}]) and sends {ins[q].size} "
                     f"(inputs[{q}]); outputs[j] on rank i must have the size of inputs[i] on "
                     "rank j"
-                )
+                ),
+                "mismatch",
             )
         rounds = max(rounds, needed)
+        final_sync = final_sync or bool(offered)
+        if address:
+            pulled[q] = address
+    for q, address in pulled.items():
+        try:
+            cma.read(arena.pids[q], outs[q], address)
+        except OSError as exc:
+            arena.raise_error(
+                PluribusError(
+                    f"rank {r}: all_to_all on group {arena.group_name!r} could not copy rank "
+                    f"{q}'s block out of its memory ({exc}); set {cma.CMA_ENV}=0 to send large "
+                    "blocks through the shared segment instead"
+                ),
+                "cma",
+            )
     for k in range(rounds):
         lo = k * per_round
         if k:
@@ -432,13 +462,27 @@ def all_to_all(arena, outs: list[np.ndarray], ins: list[np.ndarray]) -> None:
             mine = slots[r]
             for q, there, _ in to_peer:
                 piece = ins[q][lo : lo + per_round]
-                if piece.size:
+                if piece.size and q not in in_place:
                     mine[there * step + head : there * step + head + piece.size] = piece
             arena.sync()
         for q, _, here in to_peer:
             dest = outs[q][lo : lo + per_round]
-            if dest.size:
+            if dest.size and q not in pulled:
                 dest[...] = slots[q][here * step + head : here * step + head + dest.size]
+    if final_sync:
+        arena.sync()
+
+
+def _read_in_place(arena, outs: list[np.ndarray], ins: list[np.ndarray], per_round: int):
+    """The peers whose blocks from this rank they will copy out of its memory: blocks too large
+    for one round, where the group may (``arena.pids``) and no output of this rank overlaps
+    them (this rank writes its outputs while peers read)."""
+    if arena.pids is None:
+        return ()
+    large = [q for q in arena.peers if ins[q].size > per_round]
+    if any(np.may_share_memory(ins[q], out) for q in large for out in outs):
+        return ()
+    return frozenset(large)
 
 
 def broadcast(arena, data: np.ndarray, src: int) -> None:
