@@ -6,6 +6,7 @@ and the tensor-parallel GPT MLP's speed-up of 2 ranks over 1.
     python benchmarks/dtensor_redistribute.py --only mlp --embd 768 --tokens 256
     python benchmarks/dtensor_redistribute.py --only collectives --device cuda --backend ucc
     python benchmarks/dtensor_redistribute.py --only gap --ranks 1,2  # Python between calls
+    python benchmarks/dtensor_redistribute.py --only floor  # what any cached dispatch adds
 
 The ranks are processes on gloo (one BLAS thread each), or on ``--backend`` with cupy arrays
 under ``--device cuda`` (each call then ends with a synchronisation of the stream). Each
@@ -192,6 +193,52 @@ def _gap(seconds: float):
     return _rounds(fns, seconds)
 
 
+def _floor(seconds: float):
+    """What any cached dispatch would add at 64 KiB: Shard(0) -> Replicate by redistribute,
+    by hand, and by two stand-ins that skip redistribute's checks: a call that builds the
+    cache key, looks it up and runs what it found (empty + all_gather + new DTensor), and that
+    last function called alone."""
+    import pluribus as pb
+    from pluribus.dtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    whole = np.zeros(((64 << 10) // 4 // 256, 256), np.float32)
+    shard = distribute_tensor(whole, mesh, [Shard(0)])
+    local, group, dst = (
+        shard.to_local(),
+        mesh.get_group(0),
+        shard.redistribute(placements=[Replicate()]),
+    )
+    empty, all_gather, shape, dtype, layout = (
+        np.empty,
+        pb.all_gather,
+        whole.shape,
+        whole.dtype,
+        dst.layout,
+    )
+
+    def found(piece, async_op):
+        out = empty(shape, dtype)
+        all_gather(out, piece, group, async_op)
+        return DTensor(out, mesh, layout)
+
+    cache = {(shard.layout, (Replicate(),), np.ndarray, dtype, False): found}
+
+    def cached_call(self, device_mesh=None, placements=None, *, async_op=False, donate=False):
+        piece = self.to_local()
+        return cache[(self.layout, tuple(placements), type(piece), piece.dtype, donate)](
+            piece, async_op
+        )
+
+    fns = {
+        "by hand": lambda: pb.all_gather(np.empty(whole.shape, whole.dtype), local),
+        "redistribute": lambda: shard.redistribute(placements=[Replicate()]),
+        "cached call": lambda: cached_call(shard, placements=[Replicate()]),
+        "its function alone": lambda: found(local, False),
+    }
+    return _rounds(fns, seconds)
+
+
 def _overhead():
     """Microseconds per call of the work redistribute adds to its collectives: placement
     checks, the cached plan's lookup and the new DTensor (a plan with no collective)."""
@@ -253,7 +300,9 @@ def main() -> None:
     from pluribus.testing import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["collectives", "overhead", "mlp", "sweep", "gap"])
+    parser.add_argument(
+        "--only", choices=["collectives", "overhead", "mlp", "sweep", "gap", "floor"]
+    )
     parser.add_argument("--ops", help="comma-separated subset of the collectives")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--sizes", help=f"comma-separated subset of {', '.join(SIZES)}")
@@ -305,6 +354,16 @@ def main() -> None:
             for name, (med, best) in times.items():
                 print(f"gap  gloo {p} ranks  4 KiB all_reduce, {name:>5}: {med * 1e6:6.2f} us "
                       f"(fastest {best * 1e6:6.2f})")  # fmt: skip
+    if "floor" in run:
+        for p in ranks:
+            times = run_ranks(_floor, p, backend="gloo", env=ENV, timeout=600,
+                              args=(args.seconds,))[0]  # fmt: skip
+            hand = times["by hand"][0]
+            for name, (med, best) in times.items():
+                print(
+                    f"floor  gloo {p} ranks  64 KiB Shard(0) -> Replicate, {name:>18}: "
+                    f"{med * 1e6:6.2f} us (fastest {best * 1e6:6.2f}), {med / hand:.3f}x by hand"
+                )
     if "mlp" in run:
         times = {}
         for p in (1, 2):

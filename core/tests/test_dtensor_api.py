@@ -109,6 +109,8 @@ def _plan_body():
     np.testing.assert_array_equal(piece, np.ones(4))
     with pytest.raises(ValueError, match="donate=True"):
         ones.to_local()
+    with pytest.raises(TypeError, match="placements="):
+        summed.redistribute([Replicate(), Replicate()])  # the mesh's place, as in torch
     same = summed.redistribute(placements=summed.placements, donate=True)  # nothing to do
     assert same.to_local() is piece
     with pytest.raises(ValueError, match="donate=True"):

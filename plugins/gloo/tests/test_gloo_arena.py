@@ -378,12 +378,15 @@ def test_arena_broadcast_roots_must_agree():
         assert "root 0" in message and "root 1" in message, message
 
 
-def _setup(ranks_ok: list[bool]):
+def _setup(ranks_ok: list[bool], cma_ok: list[bool] | None = None):
     """Run the store agreement on threads; return each rank's arena (or None)."""
     size = len(ranks_ok)
     store = PrefixStore("g", HashStore())
     engines = [_FakeEngine(size) for _ in range(size)]
-    opts = [{"arena": "1" if ok else "0", "arena_bytes": 4096} for ok in ranks_ok]
+    opts = [
+        {"arena": "1" if ok else "0", "arena_bytes": 4096, "cma": cma_ok is None or cma_ok[r]}
+        for r, ok in enumerate(ranks_ok)
+    ]
     got = [None] * size
 
     def run(r):
@@ -409,6 +412,20 @@ def test_arena_setup_agrees_and_leaves_nothing_in_dev_shm():
     # one member that cannot (or will not) share: nobody uses an arena
     assert _setup([True, False, True]) == [None, None, None]
     assert gloo_segments() == before
+
+
+def test_arena_setup_agrees_whether_members_may_read_each_others_memory():
+    """Every member of a group reads a word from every other before the group copies blocks
+    out of its members' memory; one member that will not makes the whole group keep the
+    segment."""
+    arenas = _setup([True, True, True])
+    assert all(a.pids == [os.getpid()] * 3 for a in arenas)  # threads: one process
+    for a in arenas:
+        a.close()
+    arenas = _setup([True, True, True], cma_ok=[True, False, True])
+    assert all(a is not None and a.pids is None for a in arenas)
+    for a in arenas:
+        a.close()
 
 
 # -- real processes -------------------------------------------------------------------------------

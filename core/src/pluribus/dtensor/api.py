@@ -154,6 +154,11 @@ class DTensor:
         costs exactly the hand-written one), and this DTensor can no longer be used, whatever
         the plan (as with JAX's donated buffers)."""
         if device_mesh is not None and device_mesh is not self._mesh and device_mesh != self._mesh:
+            if isinstance(device_mesh, (list, tuple)):
+                raise TypeError(
+                    f"rank {_rank()}: redistribute's first argument is the device mesh; pass "
+                    f"the placements by name: redistribute(placements={list(device_mesh)!r})"
+                )
             raise ValueError(
                 f"rank {_rank()}: redistribute cannot move a DTensor to another mesh "
                 f"({self._mesh!r} -> {device_mesh!r})"
