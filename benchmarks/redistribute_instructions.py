@@ -21,46 +21,17 @@ FEW, MANY = 200, 1200
 
 
 def _calls(name: str, side: str):
-    """The function that ``side`` ("redistribute" or "hand") of pair ``name`` calls."""
+    """The function that ``side`` ("redistribute" or "hand") of pair ``name`` calls: the
+    pairs of benchmarks/dtensor_redistribute.py, on 4 KiB."""
     import numpy as np
     import pluribus as pb
-    from pluribus.dtensor import (
-        DTensor,
-        Partial,
-        Replicate,
-        Shard,
-        distribute_tensor,
-        init_device_mesh,
-    )
+    from dtensor_redistribute import _pairs
+    from pluribus.dtensor import init_device_mesh
     from pluribus.store import HashStore
 
     pb.init_process_group("gloo", rank=0, world_size=1, store=HashStore())
-    mesh = init_device_mesh("cpu", (1,))
-    whole = np.zeros((16, 64), np.float32)
-    shard = distribute_tensor(whole, mesh, [Shard(0)])
-    partial = distribute_tensor(whole, mesh, [Partial()])
-    local, term, buffer = shard.to_local(), partial.to_local(), whole.copy()
-    # the same lambdas as benchmarks/dtensor_redistribute.py
-    # as many donated DTensors for any count, so that making them cancels out
-    donated = iter([DTensor(buffer, mesh, partial.layout) for _ in range(MANY + 5)])
-    return {
-        "all_gather": (
-            lambda: shard.redistribute(placements=[Replicate()]),
-            lambda: pb.all_gather(np.empty(whole.shape, whole.dtype), local),
-        ),
-        "all_reduce vs out=": (
-            lambda: partial.redistribute(placements=[Replicate()]),
-            lambda: pb.all_reduce(term, out=np.empty(term.shape, term.dtype)),
-        ),
-        "all_reduce donated": (
-            lambda: next(donated).redistribute(placements=[Replicate()], donate=True),
-            lambda: pb.all_reduce(buffer),
-        ),
-        "reduce_scatter": (
-            lambda: partial.redistribute(placements=[Shard(0)]),
-            lambda: pb.reduce_scatter(np.empty(local.shape, local.dtype), buffer),
-        ),
-    }[name][side == "hand"]
+    pairs = _pairs(init_device_mesh("cpu", (1,)), 4096, np)  # as many DTensors for any count
+    return pairs[name][side == "hand"]
 
 
 def _child(name: str, side: str, count: int) -> None:
