@@ -5,7 +5,8 @@ the ranks of one host.
 
 The kernel allows it where this process may ptrace the peer (same user, and no Yama or seccomp
 rule against it), so a group checks it once, when it opens its segment (:func:`agree`): every
-rank reads a word from every peer, and the group reads in place only when all succeeded.
+rank reads a word from every peer, and the group reads in place only when all succeeded (a
+peer in another pid namespace, whose number means another process here, fails that check).
 ``PLURIBUS_GLOO_CMA=0`` (or the backend option ``cma=False``) turns it off.
 """
 
