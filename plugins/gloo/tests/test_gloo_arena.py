@@ -487,7 +487,7 @@ def _every_collective(sub_ranks: list[int]) -> dict:
 def _offer_a_word(conn) -> None:
     word = np.array([12345], dtype=np.uint64)
     conn.send((os.getpid(), word.ctypes.data))
-    conn.recv()  # keep the word until the reader is done
+    conn.poll(30)  # keep the word until the reader is done (or gave up)
 
 
 def _processes_may_read_each_other() -> bool:
@@ -499,6 +499,8 @@ def _processes_may_read_each_other() -> bool:
     child = context.Process(target=_offer_a_word, args=(there,))
     child.start()
     try:
+        if not here.poll(30):
+            raise TimeoutError("the child process did not offer its word within 30 s")
         pid, address = here.recv()
         seen = np.zeros(1, dtype=np.uint64)
         try:
@@ -509,6 +511,9 @@ def _processes_may_read_each_other() -> bool:
     finally:
         here.send("done")
         child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
 
 
 @pytest.mark.timeout(120)
