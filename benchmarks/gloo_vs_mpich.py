@@ -16,6 +16,13 @@ batch pairs (each pair ran back to back). Each time is the slowest rank's, as in
 
 Sizes follow nccl-tests (the whole gathered or scattered buffer); float32, sum.
 
+``--groups G`` runs every collective on sub-groups instead of the world: the ranks split into G
+groups of consecutive ranks (``--strided``: rank r in group r % G, as a 2-D mesh's other
+dimension), ``pluribus.new_group`` against ``MPI.COMM_WORLD.Split``, all G groups at once.
+``--groups 1`` is a sub-group of every rank, which shows what a sub-group costs over the world.
+
+    mpiexec -n 4 python benchmarks/gloo_vs_mpich.py -C all_reduce -b 256 -e 64M -f 4 --groups 2
+
 ``--symmetric`` (all-reduce only) adds a third implementation to each batch rotation: pluribus
 on an array from ``pluribus.empty_symmetric``, which gloo reduces on one host without copying
 it into its segment first, printed beside the plain array's time with its ratio to MPICH.
@@ -47,35 +54,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _calls(collective: str, nbytes: int, p: int, r: int, symmetric: bool):
-    """(ours, MPICH's), or with ``symmetric`` (ours, ours on a symmetric array, MPICH's), for
-    one size: each does one collective on its own buffers."""
+def _groups(count: int, strided: bool):
+    """This rank's (pluribus group, MPI communicator, the group's first global rank): the
+    world's (None: the default group), or with ``count`` its sub-group of ``count`` equal ones
+    (see the module's docstring)."""
     comm = MPI.COMM_WORLD
+    if not count:
+        return None, comm, 0
+    r, p = comm.Get_rank(), comm.Get_size()
+    if p % count:
+        raise ValueError(f"--groups {count} does not divide {p} ranks")
+    size = p // count
+    members = [
+        [k for k in range(p) if k % count == g]
+        if strided
+        else list(range(g * size, (g + 1) * size))
+        for g in range(count)
+    ]
+    mine, first = None, 0
+    for ranks in members:  # every rank makes every group, in the same order
+        made = pb.new_group(ranks)
+        if r in ranks:
+            mine, first = made, ranks[0]
+    color = r % count if strided else r // size
+    return mine, comm.Split(color, r), first
+
+
+def _calls(collective: str, nbytes: int, group, comm, root: int, symmetric: bool):
+    """(ours, MPICH's), or with ``symmetric`` (ours, ours on a symmetric array, MPICH's), for
+    one size on ``group`` and ``comm`` (the same ranks, whose first is global rank ``root``):
+    each does one collective on its own buffers."""
     n = nbytes // 4
     if collective == "all_reduce":
         a, b = np.zeros(n, np.float32), np.zeros(n, np.float32)  # zeros: sums never overflow
         calls = [
-            lambda: pb.all_reduce(a, pb.ReduceOp.SUM),
+            lambda: pb.all_reduce(a, pb.ReduceOp.SUM, group),
             lambda: comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM),
         ]
         if symmetric:
-            shared = pb.empty_symmetric(n, np.float32)
+            shared = pb.empty_symmetric(n, np.float32, group=group)
             shared[...] = 0
-            calls.insert(1, lambda: pb.all_reduce(shared, pb.ReduceOp.SUM))
+            calls.insert(1, lambda: pb.all_reduce(shared, pb.ReduceOp.SUM, group))
         return calls
     if symmetric:
         raise ValueError("--symmetric measures all_reduce only")
     if collective == "broadcast":
         a, b = np.zeros(n, np.float32), np.zeros(n, np.float32)
-        return lambda: pb.broadcast(a, 0), lambda: comm.Bcast(b, 0)
-    per = n // p
+        return lambda: pb.broadcast(a, root, group), lambda: comm.Bcast(b, 0)
+    per = n // comm.Get_size()
     if collective == "all_gather":
         src, out, out2 = np.zeros(per, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
-        return lambda: pb.all_gather(out, src), lambda: comm.Allgather(src, out2)
+        return lambda: pb.all_gather(out, src, group), lambda: comm.Allgather(src, out2)
     if collective == "reduce_scatter":
         src, out = np.zeros(n, np.float32), np.empty(per, np.float32)
         return (
-            lambda: pb.reduce_scatter(out, src, pb.ReduceOp.SUM),
+            lambda: pb.reduce_scatter(out, src, pb.ReduceOp.SUM, group),
             lambda: comm.Reduce_scatter_block(src, out, MPI.SUM),
         )
     raise ValueError(f"unknown collective {collective!r}")
@@ -102,13 +135,22 @@ def main() -> None:
     parser.add_argument(
         "--symmetric", action="store_true", help="also time all_reduce on empty_symmetric arrays"
     )
+    parser.add_argument("--groups", type=int, default=0, help="run on this many sub-groups")
+    parser.add_argument(
+        "--strided", action="store_true", help="sub-groups of ranks r % G, not consecutive ranks"
+    )
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     r, p = comm.Get_rank(), comm.Get_size()
     port = comm.bcast(_free_port() if r == 0 else None, root=0)
     pb.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=r, world_size=p)
+    group, sub, root = _groups(args.groups, args.strided)
     if r == 0:
-        print(f"# {p} ranks, float32 sum; load before {os.getloadavg()}")
+        where = ""
+        if args.groups:
+            how = "strided" if args.strided else "consecutive"
+            where = f", {args.groups} {how} sub-groups of {sub.Get_size()} at once"
+        print(f"# {p} ranks{where}, float32 sum; load before {os.getloadavg()}")
         shared = f" {'sym us':>10} {'sym ratio':>9} {'pairs':>6}" if args.symmetric else ""
         print(
             f"# {'collective':>14} {'bytes':>10} {'ours us':>10} {'MPICH us':>10} "
@@ -117,7 +159,7 @@ def main() -> None:
     sizes = size_series(parse_size(args.min_bytes), parse_size(args.max_bytes), args.step_factor)
     for collective in args.collectives.split(","):
         for nbytes in sizes:
-            calls = _calls(collective, nbytes, p, r, args.symmetric)
+            calls = _calls(collective, nbytes, group, sub, root, args.symmetric)
             for call in calls:  # warm up: pages, the arena, MPICH's buffers
                 _batch(call, 2)
             rows = [[_batch(c, args.batch) for c in calls] for _ in range(args.batches)]

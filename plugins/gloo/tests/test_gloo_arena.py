@@ -174,6 +174,33 @@ def test_arena_algorithms_match_numpy(size, n, half, one_shot, calls):
         np.testing.assert_array_equal(b, inputs[0, size - 1])
 
 
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("crowded", [False, True])
+def test_arena_all_reduce_reduces_in_one_phase_while_the_peers_copies_fit(size, crowded):
+    """One sync while the ``p - 1`` peers' copies a rank reads fit ``ONE_SHOT_BYTES`` (times
+    ``CROWDED_ONE_SHOT_FACTOR`` when the host runs more ranks than cores), the two-phase
+    path's syncs from one element more; numpy's sum either way."""
+    bound = local.ONE_SHOT_BYTES * (local.CROWDED_ONE_SHOT_FACTOR if crowded else 1)
+    fits = bound // (4 * (size - 1))  # float32 elements
+    arenas = _thread_arenas(size, 4 * (fits + 1))
+    for a in arenas:
+        a.crowded = crowded
+
+    def rank_fn(a, r):
+        syncs = []
+        for n in (fits, fits + 1):
+            data = np.full(n, r + 1.0, np.float32)
+            before = a.stage
+            _announce(a, 1, n)
+            local.all_reduce(a, data, np.add)
+            syncs.append(a.stage - before)
+            assert (data == size * (size + 1) / 2).all()
+        return syncs
+
+    for one_shot, two_phase in _in_threads(arenas, rank_fn):
+        assert one_shot == 1 and two_phase > 1, (one_shot, two_phase)
+
+
 @pytest.mark.parametrize("size", [3, 4, 8])
 @pytest.mark.parametrize(
     "dtype, ufunc",

@@ -123,7 +123,8 @@ class Arena:
         self.stage = self.control[self.mine + STAGE]
         self.round = 0
         self.peers = [r for r in range(size) if r != rank]
-        crowded = engine.yield_while_spinning
+        #: the host runs more ranks than cores: a sync may wait for a context switch
+        self.crowded = crowded = engine.yield_while_spinning
         self.spin = YIELD_SECONDS if crowded else SPIN_SECONDS
         self.yield_mask = 0 if crowded else 1
         # the futex handles of every rank's counter (its low 32 bits), and the one this rank

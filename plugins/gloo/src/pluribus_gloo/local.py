@@ -3,9 +3,9 @@
 Each rank copies what its peers need into its own slot once, and every rank then reads its
 peers' slots directly with numpy (``out=`` into the destination, no staging buffer, no message):
 
-- all-reduce, small (all copies together up to ``ONE_SHOT_BYTES``): every rank copies its
-  array into its slot, then reduces all slots in rank order (every rank computes every element,
-  in the same order, so all get identical results);
+- all-reduce, small (the ``p - 1`` peers' copies together up to ``ONE_SHOT_BYTES``): every
+  rank copies its array into its slot, then reduces all slots in rank order (every rank
+  computes every element, in the same order, so all get identical results);
 - all-reduce, large: per round of one half's worth of elements, split into ``p`` parts, a rank
   copies the ``p - 1`` parts it does not own into its slot, reduces its own part straight out of
   its input and the peers' slots into its slot and from there at once (still in cache) into its
@@ -33,11 +33,18 @@ from pluribus.errors import CollectiveMismatchError, PluribusError
 
 from . import cma, symmetric
 
-#: An all-reduce whose ``p`` copies together take at most this many bytes reduces whole arrays
-#: in one phase (every rank reads them all); above, each rank reduces one part and gathers the
-#: parts (a ``p``-th of the reading, one more sync). Measured on 2 cores: one phase wins up to
-#: 512 KiB at 2 ranks and 256 KiB at 4 (benchmarks/gloo_arena_tuning.py).
-ONE_SHOT_BYTES = int(os.environ.get("PLURIBUS_GLOO_ONE_SHOT_BYTES", 1 << 20))
+#: An all-reduce reduces whole arrays in one phase while the peers' copies that every rank
+#: reads beside its own, ``p - 1`` arrays, take at most this many bytes; above, each rank reduces
+#: one part and gathers the parts (a ``p``-th of the reading, for one more sync). Measured on
+#: 2 cores at 2 ranks (benchmarks/gloo_arena_tuning.py --experiment one-shot): one phase wins up
+#: to 192 KiB arrays, two phases by 2-7 % at 256 KiB (a tie in pluribus-bench; one sync fewer is
+#: the safer bet on a busy host) and by 10-15 % from 384 KiB.
+ONE_SHOT_BYTES = int(os.environ.get("PLURIBUS_GLOO_ONE_SHOT_BYTES", 256 << 10))
+
+#: When the host runs more ranks than cores, a sync costs a context switch, and one phase wins
+#: up to this many times the reading (at 4 ranks on 2 cores: up to 256 KiB arrays, two phases
+#: by 10-25 % from 384 KiB).
+CROWDED_ONE_SHOT_FACTOR = 4
 
 
 def _reduce_in_order(ufunc, parts: list[np.ndarray], out: np.ndarray) -> None:
@@ -63,7 +70,9 @@ def all_reduce(arena, data: np.ndarray, ufunc, out: np.ndarray | None = None) ->
     (:func:`_all_reduce_two_phase`), so that every rank reads only after every copy-in.
     """
     out = data if out is None else out
-    if data.nbytes * arena.size <= ONE_SHOT_BYTES and data.nbytes <= arena.half:
+    reading = data.nbytes * (arena.size - 1)
+    bound = ONE_SHOT_BYTES * (CROWDED_ONE_SHOT_FACTOR if arena.crowded else 1)
+    if reading <= bound and data.nbytes <= arena.half:
         _all_reduce_one_shot(arena, data, ufunc, out)
         return
     found = symmetric.locate(data, arena) if out is data else None
