@@ -373,3 +373,49 @@ def test_values_survive_json_round_trip():
     again = BenchConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config and isinstance(again.collectives, tuple)
     assert np.dtype(again.dtype) == np.float32
+
+
+class CountingComm(Comm):
+    """One rank whose every collective sleeps ``seconds`` and is counted; rank 0's broadcast
+    value is ``broadcasts`` (recorded)."""
+
+    def __init__(self, seconds):
+        self.name, self.seconds, self.calls, self.broadcasts = "counting", seconds, 0, []
+
+    def runner(self, collective, case, op, root):
+        def run():
+            self.calls += 1
+            time.sleep(self.seconds)
+
+        return run
+
+    def barrier(self):
+        pass
+
+    def _broadcast_array(self, buf):
+        self.broadcasts.append(int(buf[0]))
+
+    def allgather_f64(self, values):
+        return values[None, :]
+
+
+@pytest.mark.timeout(60)
+def test_warmup_seconds_keeps_each_size_busy_that_long_before_timing_it():
+    """With ``warmup_seconds`` each size runs untimed for at least that long (a count every
+    rank takes from rank 0) beyond its ``warmup`` iterations; without it, only those."""
+    from pluribus.bench.core import measure_size
+
+    for seconds, least in ((0.0, 0), (0.2, 0.2 / 0.002)):
+        comm = CountingComm(0.002)
+        config = BenchConfig(
+            backend="threads", collectives=("broadcast",), iters=3, warmup=2, check=False,
+            warmup_seconds=seconds,
+        )  # fmt: skip
+        start = time.monotonic()
+        row = measure_size(comm, config, "broadcast", 16)
+        assert row.iters == 3 and len(comm.broadcasts) == (1 if seconds else 0)
+        untimed = comm.calls - 2 - 3
+        assert untimed == (comm.broadcasts[0] if seconds else 0) >= least * 0.5
+        assert not seconds or time.monotonic() - start >= seconds * 0.5
+    with pytest.raises(ValueError, match="non-negative warmup"):
+        BenchConfig(warmup_seconds=-1)

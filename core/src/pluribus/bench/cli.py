@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         "-w", "--warmup", type=int, default=5, help="untimed iterations per size (default 5)"
     )
     p.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="then untimed iterations for at least this long per size: an idle CPU (a VM's, a "
+        "laptop's) needs tens of milliseconds of load to reach full speed",
+    )
+    p.add_argument(
         "-d",
         "--dtype",
         default="float32",
@@ -186,6 +194,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
         step_factor=args.step_factor,
         iters=args.iters,
         warmup=args.warmup,
+        warmup_seconds=args.warmup_seconds,
         dtype=args.dtype,
         op=args.op.lower(),
         root=args.root,
@@ -302,6 +311,8 @@ def render(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     rows = [Row.from_dict(r) for r in doc["rows"]]
     budget = f", budget {cfg['budget']:g}s per size" if cfg["budget"] else ""
+    if cfg.get("warmup_seconds"):
+        budget = f" and at least {cfg['warmup_seconds']:g}s{budget}"
     lines = [
         f"# pluribus-bench {doc['version']}: {doc['nranks']} ranks, backend {cfg['backend']}, "
         f"dtype {cfg['dtype']}, op {cfg['op']}, {format_size(cfg['min_bytes'])} to "

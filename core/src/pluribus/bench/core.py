@@ -242,6 +242,10 @@ class BenchConfig:
     step_factor: float = 2.0
     iters: int = 20
     warmup: int = 5
+    #: Seconds of untimed iterations per size at least, after ``warmup``: a CPU that idled (a
+    #: VM's, a laptop's) takes tens of milliseconds of load to reach its full speed, and sizes
+    #: timed before that measure the ramp, not the collective.
+    warmup_seconds: float = 0.0
     dtype: str = "float32"
     op: str = "sum"
     root: int = 0
@@ -269,7 +273,7 @@ class BenchConfig:
             raise ValueError(
                 f"unknown collective(s) {unknown}; choose from {', '.join(COLLECTIVES)}"
             )
-        if self.iters < 1 or self.warmup < 0:
+        if self.iters < 1 or self.warmup < 0 or self.warmup_seconds < 0:
             raise ValueError("need at least one iteration and a non-negative warmup")
         ReduceOp(self.op)  # a clear ValueError for an unknown op name
         if self.device not in ("cpu", "cuda"):
@@ -425,6 +429,12 @@ def measure_size(comm: Any, config: BenchConfig, collective: str, nbytes: int) -
     if config.device == "cuda":
         run = _synchronised(run)
     warm = _time_ops(run, config.warmup) if config.warmup else np.zeros(0)
+    per_op = None
+    if config.budget > 0 or config.warmup_seconds > 0:
+        per_op = float(np.median(warm)) if warm.size else float(_time_ops(run, 1)[0])
+        per_op = max(per_op, 1e-9)
+    if config.warmup_seconds > 0:  # rank 0's count, so that every rank calls as often
+        _time_ops(run, comm.broadcast_int(int(config.warmup_seconds / per_op)))
     wrong = 0
     if config.check:
         case.fill()
@@ -432,8 +442,7 @@ def measure_size(comm: Any, config: BenchConfig, collective: str, nbytes: int) -
         wrong = case.wrong()
     iters = config.iters
     if config.budget > 0:
-        per_op = float(np.median(warm)) if warm.size else float(_time_ops(run, 1)[0])
-        affordable = int(config.budget / max(per_op, 1e-9))
+        affordable = int(config.budget / per_op)
         iters = comm.broadcast_int(max(config.min_iters, min(config.iters, affordable)))
     comm.barrier()
     times = _time_ops(run, iters)

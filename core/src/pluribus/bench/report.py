@@ -222,6 +222,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['nranks']} ranks on {doc['host']['hostname']} ({doc['host']['cpus']} cpus), "
         f"{doc['date']}; dtype {cfg['dtype']}, op {cfg['op']}; up to {cfg['iters']} timed "
         f"iterations per size after {cfg['warmup']} warmup"
+        + (f" and at least {cfg['warmup_seconds']:g}s" if cfg.get("warmup_seconds") else "")
         + (f", at most {cfg['budget']:g}s per size" if cfg["budget"] else "")
         + f"; {1 + max((p['repeat'] for p in doc['phases']), default=0)} interleaved "
         "repeat(s) pooled. Times are medians per operation (each iteration counts the slowest "
