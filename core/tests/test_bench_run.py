@@ -270,7 +270,7 @@ def test_spawned_gloo_ranks(tmp_path):
 @pytest.mark.timeout(120)
 def test_symmetric_buffers_are_measured_and_checked():
     """``--symmetric``: pluribus's buffers come from empty_symmetric (gloo's zero-copy
-    all-reduce from 1 MiB at 2 ranks), the rows say so, and every result is checked."""
+    all-reduce above its one-phase size), the rows say so, and every result is checked."""
     _gloo_or_skip()
     proc = subprocess.run(
         _bench_cmd(*"--nproc 2 --backend gloo -C all_reduce,broadcast -b 1M -e 2M -f 2".split(),

@@ -244,9 +244,10 @@ def pair():
 
 @pytest.mark.timeout(120)
 def test_symmetric_all_reduce_on_two_ranks(pair):
-    # 10 and 100_000 elements are one-shot (two copies within 1 MiB); the others are uneven
-    # parts over two ranks, the largest several half-slots long
-    got = pair.run(_parity, (10, 100_000, 300_001, 1_000_003))
+    # 10 elements and the largest array whose peer's copy fits the one-shot bound reduce in
+    # one phase; the others are uneven parts over two ranks, the largest several half-slots long
+    largest_one_shot = local.ONE_SHOT_BYTES // 4
+    got = pair.run(_parity, (10, largest_one_shot, 300_001, 1_000_003))
     for report in got:
         assert report["zero_copy"] == [300_001, 300_001, 1_000_003, 1_000_003]
         assert report["live"] == 0, "the mappings went with the arrays"
@@ -271,8 +272,9 @@ def test_unequal_shapes_are_refused_on_every_rank_naming_the_ranks(pair):
 
 @pytest.mark.timeout(120)
 def test_symmetric_all_reduce_on_four_ranks():
-    # 50_000 float32s at 4 ranks are one-shot
-    got = run_ranks(_parity, 4, "gloo", "processes", timeout=90, args=((50_000, 600_001),))
+    # the three peers' copies of this many float32s fit the one-shot bound, crowded or not
+    one_shot = local.ONE_SHOT_BYTES // (4 * 3)
+    got = run_ranks(_parity, 4, "gloo", "processes", timeout=90, args=((one_shot, 600_001),))
     for report in got:
         assert report["zero_copy"] == [600_001, 600_001]
 
