@@ -197,7 +197,7 @@ def _floor(seconds: float):
     """What any cached dispatch would add at 64 KiB: Shard(0) -> Replicate by redistribute,
     by hand, and by two stand-ins that skip redistribute's checks: a call that builds the
     cache key, looks it up and runs what it found (empty + all_gather + new DTensor), and that
-    last function called alone."""
+    last function called alone; and each side with and without building the placement list."""
     import pluribus as pb
     from pluribus.dtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
@@ -230,11 +230,18 @@ def _floor(seconds: float):
             piece, async_op
         )
 
+    replicated = [Replicate()]
     fns = {
         "by hand": lambda: pb.all_gather(np.empty(whole.shape, whole.dtype), local),
         "redistribute": lambda: shard.redistribute(placements=[Replicate()]),
         "cached call": lambda: cached_call(shard, placements=[Replicate()]),
         "its function alone": lambda: found(local, False),
+        # what the caller's own `[Replicate()]` costs, on either side
+        "by hand, [Replicate()] built": lambda: (
+            [Replicate()],
+            pb.all_gather(np.empty(whole.shape, whole.dtype), local),
+        ),
+        "redistribute, list made once": lambda: shard.redistribute(placements=replicated),
     }
     return _rounds(fns, seconds)
 
@@ -361,7 +368,7 @@ def main() -> None:
             hand = times["by hand"][0]
             for name, (med, best) in times.items():
                 print(
-                    f"floor  gloo {p} ranks  64 KiB Shard(0) -> Replicate, {name:>18}: "
+                    f"floor  gloo {p} ranks  64 KiB Shard(0) -> Replicate, {name:>29}: "
                     f"{med * 1e6:6.2f} us (fastest {best * 1e6:6.2f}), {med / hand:.3f}x by hand"
                 )
     if "mlp" in run:
