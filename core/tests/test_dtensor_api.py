@@ -207,6 +207,9 @@ def test_placements_and_layouts_are_interned_values():
     assert Shard(0) == Shard(0) and Shard(0) != Shard(1) and Shard(1) != Replicate()
     assert Partial() is Partial("sum") and Partial("max") is not Partial()
     assert Partial("avg").reduce_op is pb.ReduceOp.AVG and Replicate() is Replicate()
+    assert isinstance(Replicate(), Replicate) and Replicate().is_replicate()
+    with pytest.raises(TypeError):
+        Replicate(0)
     for p in (Shard(3), Replicate(), Partial("min")):
         assert pickle.loads(pickle.dumps(p)) is p and copy.deepcopy(p) is p
         assert len({p, copy.copy(p)}) == 1

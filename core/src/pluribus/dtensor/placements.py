@@ -8,6 +8,7 @@ dataclass's ``__eq__`` and ``__hash__`` are Python calls, about 0.1 µs each per
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -78,13 +79,17 @@ class Shard(Placement):
         return f"Shard({self.dim})"
 
 
-class Replicate(Placement):
+class _OneInstance(type):
+    """The metaclass of :class:`Replicate`: calling the class returns its one instance through a
+    C callable (set below, once that instance exists) instead of a Python ``__new__``. A loop of
+    ``redistribute(placements=[Replicate()])`` builds one per call, and the Python call cost
+    2-3 % of a 64 KiB all-gather on 2 ranks."""
+
+
+class Replicate(Placement, metaclass=_OneInstance):
     """Every rank along the mesh dimension holds the whole (sub)tensor."""
 
     __slots__ = ()
-
-    def __new__(cls) -> Replicate:
-        return _REPLICATE
 
     def is_replicate(self) -> bool:
         return True
@@ -97,6 +102,7 @@ class Replicate(Placement):
 
 
 _REPLICATE = object.__new__(Replicate)
+_OneInstance.__call__ = itertools.repeat(_REPLICATE).__next__  # Replicate() is _REPLICATE
 
 
 class Partial(Placement):
