@@ -23,6 +23,8 @@ STEP=${STEP:-2}           # size factor between rows
 PEERS=${PEERS:-"torch-gloo mpi4py"}
 ITERS=${ITERS:-50}        # timed iterations per size, at most ...
 BUDGET=${BUDGET:-1.5}     # ... and at most this many seconds of them per size
+WARM=${WARM:-0.2}         # seconds of untimed calls per size: an idle CPU needs 50-100 ms to
+                          # reach its speed (BENCHMARKS.md, "gloo all-reduce at 256-512 KiB")
 REPEAT=${REPEAT:-3}       # interleaved repeats of every phase, samples pooled
 OUT=${OUT:-benchmarks/results}
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
@@ -38,6 +40,7 @@ for collective in $COLLECTIVES; do
     name="$collective-$BACKEND-np$NPROC-$STAMP"
     "$PYTHON" -m pluribus.bench --nproc "$NPROC" --backend "$BACKEND" -C "$collective" \
         -d float32 -o sum -b "$MIN_BYTES" -e "$MAX_BYTES" -f "$STEP" -n "$ITERS" -w 5 --budget "$BUDGET" \
+        --warmup-seconds "$WARM" \
         --repeat "$REPEAT" $(printf -- "--compare %s " $PEERS) \
         --save "$OUT/$name.json" --markdown "$OUT/$name.md" \
         ${plot_args[@]+"${plot_args[@]}" "$OUT/$name.png"} \
