@@ -405,11 +405,16 @@ def test_arena_broadcast_roots_must_agree():
         assert "root 0" in message and "root 1" in message, message
 
 
-def _setup(ranks_ok: list[bool], cma_ok: list[bool] | None = None):
-    """Run the store agreement on threads; return each rank's arena (or None)."""
+def _setup(
+    ranks_ok: list[bool], cma_ok: list[bool] | None = None, crowded: list[bool] | None = None
+):
+    """Run the store agreement on threads; return each rank's arena (or None). ``crowded``:
+    whether each rank's engine counts more ranks than cores."""
     size = len(ranks_ok)
     store = PrefixStore("g", HashStore())
     engines = [_FakeEngine(size) for _ in range(size)]
+    for engine, says in zip(engines, crowded or [False] * size, strict=True):
+        engine.yield_while_spinning = says
     opts = [
         {"arena": "1" if ok else "0", "arena_bytes": 4096, "cma": cma_ok is None or cma_ok[r]}
         for r, ok in enumerate(ranks_ok)
@@ -453,6 +458,18 @@ def test_arena_setup_agrees_whether_members_may_read_each_others_memory():
     assert all(a is not None and a.pids is None for a in arenas)
     for a in arenas:
         a.close()
+
+
+def test_arena_setup_agrees_whether_ranks_outnumber_cores():
+    """The all-reduce chooses its algorithm by it, so one member that counts more ranks than
+    cores (pinned to fewer CPUs) makes every member's arena crowded; each still waits its own
+    way."""
+    for says, agreed in (([False, False, False], False), ([False, True, False], True)):
+        arenas = _setup([True, True, True], crowded=says)
+        assert [a.crowded for a in arenas] == [agreed] * 3
+        assert [a.yield_mask == 0 for a in arenas] == says
+        for a in arenas:
+            a.close()
 
 
 # -- real processes -------------------------------------------------------------------------------

@@ -93,11 +93,16 @@ class Arena:
         timeout,
         name="",
         pids: list[int] | None = None,
+        crowded: bool | None = None,
     ):
         self.group_name = ""  # for error messages
         #: every member's process id when every member may read the others' memory
         #: (:mod:`pluribus_gloo.cma`), else None
         self.pids = pids
+        #: some member's host runs more ranks than cores, so a sync may wait for a context
+        #: switch: agreed when the group opens its segment (None: this rank's engine says), as
+        #: the algorithms choose by it and every member must choose alike
+        self.crowded = engine.yield_while_spinning if crowded is None else crowded
         #: the segment's name (gone from /dev/shm once every member mapped it): unique on this
         #: host, and known to every member, so symmetric allocations derive theirs from it
         self.name = name
@@ -123,8 +128,7 @@ class Arena:
         self.stage = self.control[self.mine + STAGE]
         self.round = 0
         self.peers = [r for r in range(size) if r != rank]
-        #: the host runs more ranks than cores: a sync may wait for a context switch
-        self.crowded = crowded = engine.yield_while_spinning
+        crowded = engine.yield_while_spinning  # how this rank waits is its own choice
         self.spin = YIELD_SECONDS if crowded else SPIN_SECONDS
         self.yield_mask = 0 if crowded else 1
         # the futex handles of every rank's counter (its low 32 bits), and the one this rank
@@ -420,7 +424,8 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
         store.set(f"arena/mapped/{rank}", "1" if segment is not None else "0")
         if name and store.get("arena/verdict", timeout) == b"1":
             pids = cma.agree(store, rank, size, timeout, options)
-            return Arena(segment, size, rank, half, engine, ranks, timeout, name, pids)
+            crowded = _any_member_crowded(store, rank, size, timeout, engine)
+            return Arena(segment, size, rank, half, engine, ranks, timeout, name, pids, crowded)
         if segment is not None:
             segment.close()
         return None
@@ -448,4 +453,12 @@ def open_arena(engine, ranks: list[int], rank: int, store, timeout: float, optio
         segment.close()
         return None
     pids = cma.agree(store, rank, size, timeout, options)
-    return Arena(segment, size, rank, half, engine, ranks, timeout, name, pids)
+    crowded = _any_member_crowded(store, rank, size, timeout, engine)
+    return Arena(segment, size, rank, half, engine, ranks, timeout, name, pids, crowded)
+
+
+def _any_member_crowded(store, rank: int, size: int, timeout: float, engine) -> bool:
+    """Whether any member counts more ranks than cores on this host (each says so for itself
+    through the group's store): ranks pinned to different CPU sets count differently."""
+    store.set(f"arena/crowded/{rank}", "1" if engine.yield_while_spinning else "0")
+    return any(store.get(f"arena/crowded/{r}", timeout) == b"1" for r in range(size))
