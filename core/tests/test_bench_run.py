@@ -376,16 +376,22 @@ def test_values_survive_json_round_trip():
 
 
 class CountingComm(Comm):
-    """One rank whose every collective sleeps ``seconds`` and is counted; rank 0's broadcast
-    value is ``broadcasts`` (recorded)."""
+    """One rank whose every collective takes ``seconds`` of a clock of its own (``now``) and is
+    counted; what rank 0 broadcasts is recorded."""
 
     def __init__(self, seconds):
-        self.name, self.seconds, self.calls, self.broadcasts = "counting", seconds, 0, []
+        self.name, self.seconds, self.calls, self.broadcasts, self.now = (
+            "counting",
+            seconds,
+            0,
+            [],
+            0.0,
+        )
 
     def runner(self, collective, case, op, root):
         def run():
             self.calls += 1
-            time.sleep(self.seconds)
+            self.now += self.seconds
 
         return run
 
@@ -400,22 +406,23 @@ class CountingComm(Comm):
 
 
 @pytest.mark.timeout(60)
-def test_warmup_seconds_keeps_each_size_busy_that_long_before_timing_it():
-    """With ``warmup_seconds`` each size runs untimed for at least that long (a count every
-    rank takes from rank 0) beyond its ``warmup`` iterations; without it, only those."""
-    from pluribus.bench.core import measure_size
+def test_warmup_seconds_keeps_each_size_busy_that_long_before_timing_it(monkeypatch):
+    """With ``warmup_seconds`` each size runs untimed for that long (a count every rank takes
+    from rank 0) beyond its ``warmup`` iterations; without it, only those."""
+    import types
 
-    for seconds, least in ((0.0, 0), (0.2, 0.2 / 0.002)):
+    from pluribus.bench import core
+
+    for seconds, calls in ((0.0, 0), (0.2, 100)):
         comm = CountingComm(0.002)
+        clock = types.SimpleNamespace(perf_counter=lambda comm=comm: comm.now)
+        monkeypatch.setattr(core, "time", clock)
         config = BenchConfig(
             backend="threads", collectives=("broadcast",), iters=3, warmup=2, check=False,
             warmup_seconds=seconds,
         )  # fmt: skip
-        start = time.monotonic()
-        row = measure_size(comm, config, "broadcast", 16)
-        assert row.iters == 3 and len(comm.broadcasts) == (1 if seconds else 0)
-        untimed = comm.calls - 2 - 3
-        assert untimed == (comm.broadcasts[0] if seconds else 0) >= least * 0.5
-        assert not seconds or time.monotonic() - start >= seconds * 0.5
+        row = core.measure_size(comm, config, "broadcast", 16)
+        assert row.iters == 3 and comm.broadcasts == ([comm.calls - 5] if seconds else [])
+        assert abs((comm.calls - 5) - calls) <= 1  # 0.2 / 0.002, whichever way it rounds
     with pytest.raises(ValueError, match="non-negative warmup"):
         BenchConfig(warmup_seconds=-1)
