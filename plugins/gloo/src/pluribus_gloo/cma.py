@@ -60,9 +60,13 @@ def read(pid: int, out: np.ndarray, address: int) -> None:
         here = _IOVec(base + done, total - done)
         there = _IOVec(address + done, total - done)
         got = _readv(pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0)
-        if got <= 0:
-            number = ctypes.get_errno() if got < 0 else 0
+        if got < 0:
+            number = ctypes.get_errno()
             raise OSError(number, f"process_vm_readv from process {pid}: {os.strerror(number)}")
+        if got == 0:
+            raise OSError(
+                f"process_vm_readv from process {pid} read nothing at {address + done:#x}"
+            )
         done += got
 
 
