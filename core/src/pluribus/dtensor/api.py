@@ -168,7 +168,7 @@ class DTensor:
         # The repeated call, which users time against the collective by hand: one lookup with
         # identity hashing (layouts and placements are interned), the compiled plan, the result.
         local = self._local
-        if local is None or self._pending is not None:
+        if local is None:  # donated, or a pending redistribute's result (wait for it)
             local = self.to_local()
         placements = tuple(placements)
         found = self._mesh.plan_cache.get(

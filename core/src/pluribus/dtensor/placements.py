@@ -8,6 +8,7 @@ dataclass's ``__eq__`` and ``__hash__`` are Python calls, about 0.1 µs each per
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from typing import Any
@@ -50,7 +51,14 @@ def _interned(cls: type, table: dict, key: Any, **fields: Any) -> Any:
     return table.setdefault(key, made)
 
 
-class Shard(Placement):
+class _ShardType(type):
+    """The metaclass of :class:`Shard`: ``Shard(dim)`` for a dim seen before is one C call (a
+    cache hit, set below), not a Python ``__new__``; a new dim, a keyword or a bad value goes on
+    to :meth:`Shard._make`, which checks it. ``redistribute(placements=[Shard(0)])`` builds one
+    per call."""
+
+
+class Shard(Placement, metaclass=_ShardType):
     """Tensor dimension ``dim`` is split over the mesh dimension (numpy's ``array_split`` sizes
     unless the layout records others)."""
 
@@ -58,16 +66,13 @@ class Shard(Placement):
     __match_args__ = ("dim",)
     _made: dict[int, Shard] = {}
 
-    def __new__(cls, dim: int) -> Shard:
-        try:
-            return cls._made[dim]
-        except (KeyError, TypeError):
-            pass
+    @staticmethod
+    def _make(dim: int) -> Shard:
         try:
             dim = int(operator.index(dim))
         except TypeError:
             raise TypeError(f"Shard(dim): dim must be an integer, got {dim!r}") from None
-        return _interned(cls, cls._made, dim, dim=dim)
+        return _interned(Shard, Shard._made, dim, dim=dim)
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -77,6 +82,11 @@ class Shard(Placement):
 
     def __repr__(self) -> str:
         return f"Shard({self.dim})"
+
+
+# lru_cache's wrapper is C; staticmethod keeps it from binding the class as a first argument
+Shard._make.__qualname__ = "Shard"  # what a call's TypeError names
+_ShardType.__call__ = staticmethod(functools.lru_cache(maxsize=None)(Shard._make))
 
 
 class _OneInstance(type):
