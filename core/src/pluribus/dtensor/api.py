@@ -18,6 +18,8 @@ from .placements import Partial, Placement, Replicate, Shard
 from .plan import DEFAULT_COST, CostModel, Plan, make_plan
 from .redistribute import Run, compile_plan
 
+_new = object.__new__
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -132,7 +134,7 @@ class DTensor:
         xp = np if type(local) is np.ndarray else array_namespace(local)
 
         def compile_and_run(local, async_op):
-            run = compile_plan(mesh, plan, xp, local.dtype, DTensor)
+            run = compile_plan(mesh, plan, xp, local.dtype)
             mesh.plan_cache[key] = (plan, run)
             return run(local, async_op)
 
@@ -176,9 +178,14 @@ class DTensor:
         )
         plan, run = found if found is not None else self._compiled(placements, donate)
         if not async_op:
-            made = run(local, False)  # the new DTensor
+            piece = run(local, False)
             if donate:
                 self._local = None
+            made = _new(DTensor)  # what __init__ does, without its Python frame
+            made._local = piece
+            made._mesh = self._mesh
+            made._layout = plan.dst
+            made._pending = None
             return made
         work, out, post = run(local, True)
         if donate:

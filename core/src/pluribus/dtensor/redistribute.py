@@ -5,11 +5,9 @@ reduce-scatter and all-to-all); equal ones as single arrays, the collectives' fa
 A plan is compiled once per (layout pair, array type, dtype) into one function per step, with
 the group, the reduction and the single-array-or-list choice already made, so that a repeated
 redistribute costs a cache lookup and the collective. A step function takes ``(local,
-async_op)``. Synchronous, it returns its result: the new DTensor for the plan's last step, the
-new local array for the others. With ``async_op`` it returns ``(work, out, post)``: once
-``work`` (None for a local step) is done, the new local array is ``out``, or ``post(out)``
-where a layout change is left. (The synchronous call is the one users time against the
-collective by hand, so its last step builds the DTensor itself, and no tuple.)
+async_op)``. Synchronous, it returns the new local array. With ``async_op`` it returns ``(work,
+out, post)``: once ``work`` (None for a local step) is done, the new local array is ``out``, or
+``post(out)`` where a layout change is left.
 """
 
 from __future__ import annotations
@@ -21,14 +19,6 @@ from .. import distributed as dist
 from .plan import Plan, Step
 
 Run = Callable[[Any, bool], Any]
-#: what a step's synchronous call returns, made from its new piece: ``(make, mesh, layout)``,
-#: where ``make(piece, mesh, layout)`` builds it
-Result = tuple[Callable[[Any, Any, Any], Any], Any, Any]
-
-
-def _piece(piece: Any, mesh: Any, layout: Any) -> Any:
-    """The result of a step that is not the plan's last: the piece itself."""
-    return piece
 
 
 def _front(xp: Any, array: Any, dim: int) -> Any:
@@ -52,26 +42,17 @@ def _ordered(perm: list[int], items: list) -> list:
     return out
 
 
-def compile_plan(mesh: Any, plan: Plan, xp: Any, dtype: Any, make: Callable) -> Run:
+def compile_plan(mesh: Any, plan: Plan, xp: Any, dtype: Any) -> Run:
     """One function that runs every step of ``plan`` on arrays of namespace ``xp`` and
     ``dtype`` (only the last collective runs in the background: each step needs the one
-    before), and whose synchronous call returns ``make(new piece, mesh, plan.dst)``. Each
-    step's new array has its shape worked out here, from the layout before the step: building
-    it from the piece's shape on every call costs more than the allocation."""
-    last = len(plan.steps) - 1
+    before). Each step's new array has its shape worked out here, from the layout before the
+    step: building it from the piece's shape on every call costs more than the allocation."""
     runs = [
-        _compile_step(
-            mesh,
-            step,
-            xp,
-            dtype,
-            plan.layouts[k].local_shape(mesh.coordinate),
-            (make if k == last else _piece, mesh, plan.layouts[k + 1]),
-        )
+        _compile_step(mesh, step, xp, dtype, plan.layouts[k].local_shape(mesh.coordinate))
         for k, step in enumerate(plan.steps)
     ]
     if not runs:
-        return _local_step(None, (make, mesh, plan.dst))
+        return _local_step(None)
     if len(runs) == 1:
         return runs[0]
     *first, last = runs
@@ -84,9 +65,7 @@ def compile_plan(mesh: Any, plan: Plan, xp: Any, dtype: Any, make: Callable) -> 
     return run_all
 
 
-def _compile_step(
-    mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, ...], result: Result
-) -> Run:
+def _compile_step(mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, ...]) -> Run:
     """The function of one step whose input piece has ``shape``."""
     m, kind = step.mesh_dim, step.kind
     me = mesh.coordinate[m]
@@ -94,38 +73,31 @@ def _compile_step(
         d = step.dst.dim
         start = sum(step.dst_sizes[:me])
         index = (slice(None),) * d + (slice(start, start + step.dst_sizes[me]),)
-        return _local_step(lambda local: xp.ascontiguousarray(local[index]), result)
+        return _local_step(lambda local: xp.ascontiguousarray(local[index]))
     if kind == "partial_local":
         if step.dst.op == "sum" and me != 0:
-            return _local_step(xp.zeros_like, result)
-        return _local_step(None, result)
+            return _local_step(xp.zeros_like)
+        return _local_step(None)
     # perm: index along mesh dimension m -> rank in the group
     group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
-        return _compile_all_reduce(step, xp, dtype, shape, group, result)
+        return _compile_all_reduce(step, xp, dtype, shape, group)
     if kind == "all_gather":
         front = _first(shape, step.src.dim)
-        return _compile_all_gather(step, xp, dtype, front, group, perm, identity, result)
+        return _compile_all_gather(step, xp, dtype, front, group, perm, identity)
     if kind == "reduce_scatter":
         front = _first(shape, step.dst.dim)
-        return _compile_reduce_scatter(step, xp, dtype, front, group, perm, identity, me, result)
+        return _compile_reduce_scatter(step, xp, dtype, front, group, perm, identity, me)
     if kind == "all_to_all":
-        return _compile_all_to_all(step, xp, dtype, shape, group, perm, me, result)
+        return _compile_all_to_all(step, xp, dtype, shape, group, perm, me)
     raise AssertionError(f"unknown step {kind}")
 
 
-def _local_step(new: Callable[[Any], Any] | None, result: Result) -> Run:
+def _local_step(new: Callable[[Any], Any] | None) -> Run:
     """The step that makes the new piece with ``new`` (None: the piece stays as it is)."""
-    make, mesh, layout = result
     if new is None:
-        return lambda local, async_op: (
-            (None, local, None) if async_op else make(local, mesh, layout)
-        )
-
-    def run(local, async_op):
-        return (None, new(local), None) if async_op else make(new(local), mesh, layout)
-
-    return run
+        return lambda local, async_op: (None, local, None) if async_op else local
+    return lambda local, async_op: (None, new(local), None) if async_op else new(local)
 
 
 def _first(shape: tuple[int, ...], d: int) -> tuple[int, ...]:
@@ -140,29 +112,27 @@ def _back(d: int, xp: Any):
     return lambda out: xp.ascontiguousarray(xp.moveaxis(out, 0, d))
 
 
-def _compile_all_reduce(step: Step, xp, dtype, shape, group, result: Result) -> Run:
+def _compile_all_reduce(step: Step, xp, dtype, shape, group) -> Run:
     op, all_reduce, empty = step.src.reduce_op, dist.all_reduce, xp.empty
-    make, mesh, layout = result
     if step.how == "in place":
 
         def in_place(local, async_op):
             work = all_reduce(local, op, group, async_op)
-            return (work, local, None) if async_op else make(local, mesh, layout)
+            return (work, local, None) if async_op else local
 
         return in_place
 
     def out_of_place(local, async_op):
         out = empty(shape, dtype)  # empty_like's dispatch costs 0.2 us more
         work = all_reduce(local, op, group, async_op, out=out)
-        return (work, out, None) if async_op else make(out, mesh, layout)
+        return (work, out, None) if async_op else out
 
     return out_of_place
 
 
-def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity, result) -> Run:
+def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity) -> Run:
     """``front``: the piece's shape with the gathered dimension first."""
     d, sizes, all_gather, empty = step.src.dim, step.src_sizes, dist.all_gather, xp.empty
-    make, mesh, layout = result
     shape, post = (sum(sizes), *front[1:]), _back(d, xp)
     spans = [slice(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
     single = identity and step.even
@@ -174,17 +144,14 @@ def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity, res
         work = all_gather(outputs, piece, group, async_op)
         if async_op:
             return work, out, post
-        return make(out if post is None else post(out), mesh, layout)
+        return out if post is None else post(out)
 
     return gather
 
 
-def _compile_reduce_scatter(
-    step: Step, xp, dtype, front, group, perm, identity, me, result: Result
-) -> Run:
+def _compile_reduce_scatter(step: Step, xp, dtype, front, group, perm, identity, me) -> Run:
     """``front``: the term's shape with the scattered dimension first."""
     d, sizes, op = step.dst.dim, step.dst_sizes, step.src.reduce_op
-    make, mesh, layout = result
     reduce_scatter, post, empty = dist.reduce_scatter, _back(d, xp), xp.empty
     shape = (sizes[me], *front[1:])
     spans = [slice(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
@@ -197,12 +164,12 @@ def _compile_reduce_scatter(
         work = reduce_scatter(out, inputs, op, group, async_op)
         if async_op:
             return work, out, post
-        return make(out if post is None else post(out), mesh, layout)
+        return out if post is None else post(out)
 
     return scatter
 
 
-def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me, result: Result) -> Run:
+def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me) -> Run:
     """Every rank's part of the new sharding arrives straight in its place: the new piece is
     built with the gathered dimension ``i`` first, where each sender's part is one contiguous
     block (so for ``i == 0`` the piece needs no copy after the collective), and this rank's own
@@ -227,7 +194,6 @@ def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me, result: R
     sends = [(slice(None),) * along + (s,) for s in sends]
     blocks = [slice(o, o + n) for o, n in zip(_offsets(got), got, strict=True)]
     all_to_all, post, empty = dist.all_to_all, _back(i, xp), xp.empty
-    make, mesh, layout = result
     new = list(shape)
     if i != j:
         new[j] = dst_sizes[me]
@@ -250,6 +216,6 @@ def _compile_all_to_all(step: Step, xp, dtype, shape, group, perm, me, result: R
         work = all_to_all(outputs, inputs, group, async_op)
         if async_op:
             return work, front, post
-        return make(front if post is None else post(front), mesh, layout)
+        return front if post is None else post(front)
 
     return exchange
