@@ -143,6 +143,49 @@ def test_plans_are_readable_cached_and_shrink_before_they_gather():
     assert run_ranks(_plan_body, 4) == [True] * 4
 
 
+def _last_plan_body():
+    rank = pb.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    whole = np.arange(24.0).reshape(6, 4)
+    x = distribute_tensor(whole, mesh, [Shard(0)])
+    for _ in range(2):  # two targets from one layout in turn: each call takes its own plan
+        np.testing.assert_array_equal(x.redistribute(placements=[Replicate()]).to_local(), whole)
+        columns = x.redistribute(placements=[Shard(1)]).to_local()
+        np.testing.assert_array_equal(columns, whole[:, 2 * rank : 2 * rank + 2])
+    assert mesh.last_plans[x.layout][0][0] == (Shard(1),)
+    # the same layout and target at another dtype: a plan of its own
+    x32 = distribute_tensor(whole.astype(np.float32), mesh, [Shard(0)])
+    assert x32.layout is x.layout
+    for source, dtype in ((x, np.float64), (x32, np.float32), (x, np.float64)):
+        full = source.redistribute(placements=[Replicate()]).to_local()
+        assert full.dtype == dtype
+        np.testing.assert_array_equal(full, whole)
+    # donated (in place) and not (into a new array) after each other, from one layout
+    term = distribute_tensor(whole, mesh, [Partial()])
+    kept = term.to_local().copy()
+    for _ in range(2):
+        donor = DTensor(kept.copy(), mesh, term.layout)
+        np.testing.assert_array_equal(
+            donor.redistribute(placements=[Replicate()], donate=True).to_local(), whole
+        )
+        np.testing.assert_array_equal(term.redistribute(placements=[Replicate()]).to_local(), whole)
+        np.testing.assert_array_equal(term.to_local(), kept)
+    # the same layout on another mesh, whose order along the dimension differs
+    other = DeviceMesh("cpu", [1, 0])
+    z = distribute_tensor(whole, other, [Shard(0)])
+    assert z.layout is x.layout
+    np.testing.assert_array_equal(z.to_local(), whole[3 * (1 - rank) : 3 * (2 - rank)])
+    for _ in range(2):
+        np.testing.assert_array_equal(z.redistribute(placements=[Replicate()]).to_local(), whole)
+        np.testing.assert_array_equal(x.redistribute(placements=[Replicate()]).to_local(), whole)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_repeated_redistribute_reuses_a_plan_only_for_the_same_target_array_and_mesh():
+    assert run_ranks(_last_plan_body, 2, timeout=40) == [True] * 2
+
+
 def _errors(case):
     rank = pb.get_rank()
     mesh = init_device_mesh("cpu", (2,))

@@ -19,6 +19,8 @@ from .plan import DEFAULT_COST, CostModel, Plan, make_plan
 from .redistribute import Run, compile_plan
 
 _new = object.__new__
+#: ``DeviceMesh.last_plans``' entry for a layout not redistributed from yet
+NO_PLAN = (None, None, None)
 
 
 def _rank() -> int:
@@ -107,7 +109,7 @@ class DTensor:
     ) -> Plan:
         """What :meth:`redistribute` to ``placements`` (with the same ``donate``) will do: steps,
         the collectives each calls with their bytes, predicted time."""
-        plan = self._compiled(tuple(placements), donate)[0]
+        plan = self._planned(tuple(placements), donate)[1][0]
         if cost is not None and cost != DEFAULT_COST:
             plan = make_plan(
                 plan.src, plan.dst, self._mesh.shape, self._mesh.coordinate,
@@ -115,31 +117,37 @@ class DTensor:
             )  # fmt: skip
         return plan
 
-    def _compiled(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run]:
-        """The plan to ``placements`` and the function that runs it, cached on the mesh. The
-        function is compiled on its first call: compiling looks up the mesh's groups, which may
-        create them (collectively), and a plan alone must not communicate."""
+    def _planned(self, placements: tuple[Placement, ...], donate: bool) -> tuple[tuple, list]:
+        """The cache key of a redistribute to ``placements`` and its entry in the mesh's plan
+        cache, ``[plan, run]``: ``run``, the compiled plan, is None until the first redistribute
+        (compiling looks up the mesh's groups, which may create them, collectively; a plan alone
+        must not communicate)."""
         mesh = self._mesh
         local = self.to_local()
         key = (self._layout, placements, type(local), local.dtype, donate)
-        found = mesh.plan_cache.get(key)
-        if found is not None:
-            return found
-        targets = normalize_placements(placements, self.ndim, mesh.shape, _rank())
-        dst = default_layout(self.shape, targets, mesh.shape)
-        itemsize = np.dtype(local.dtype).itemsize
-        plan = make_plan(
-            self._layout, dst, mesh.shape, mesh.coordinate, itemsize, DEFAULT_COST, donate
-        )
-        xp = np if type(local) is np.ndarray else array_namespace(local)
+        entry = mesh.plan_cache.get(key)
+        if entry is None:
+            targets = normalize_placements(placements, self.ndim, mesh.shape, _rank())
+            dst = default_layout(self.shape, targets, mesh.shape)
+            itemsize = np.dtype(local.dtype).itemsize
+            plan = make_plan(
+                self._layout, dst, mesh.shape, mesh.coordinate, itemsize, DEFAULT_COST, donate
+            )
+            entry = mesh.plan_cache[key] = [plan, None]
+        return key, entry
 
-        def compile_and_run(local, async_op):
-            run = compile_plan(mesh, plan, xp, local.dtype)
-            mesh.plan_cache[key] = (plan, run)
-            return run(local, async_op)
-
-        found = mesh.plan_cache[key] = (plan, compile_and_run)
-        return found
+    def _runnable(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run]:
+        """The plan to ``placements`` and the function that runs it (compiled here the first
+        time), remembered as the last plan from this layout on this mesh, which a repeated
+        :meth:`redistribute` checks first."""
+        key, entry = self._planned(placements, donate)
+        plan, run = entry
+        if run is None:
+            local = self._local
+            xp = np if type(local) is np.ndarray else array_namespace(local)
+            run = entry[1] = compile_plan(self._mesh, plan, xp, local.dtype)
+        self._mesh.last_plans[self._layout] = (key[1:], plan, run)
+        return plan, run
 
     def redistribute(
         self,
@@ -167,16 +175,19 @@ class DTensor:
             )
         if placements is None:
             raise ValueError(f"rank {_rank()}: redistribute needs placements=")
-        # The repeated call, which users time against the collective by hand: one lookup with
-        # identity hashing (layouts and placements are interned), the compiled plan, the result.
+        # The repeated call, which users time against the collective by hand: the last plan
+        # from this layout on this mesh when it has the same target and array signature (one
+        # lookup hashed by identity, then compared by identity: layouts and placements are
+        # interned; cheaper than hashing the whole key), the compiled plan, the result.
         local = self._local
         if local is None:  # donated, or a pending redistribute's result (wait for it)
             local = self.to_local()
         placements = tuple(placements)
-        found = self._mesh.plan_cache.get(
-            (self._layout, placements, type(local), local.dtype, donate)
-        )
-        plan, run = found if found is not None else self._compiled(placements, donate)
+        last = self._mesh.last_plans.get(self._layout, NO_PLAN)
+        if last[0] == (placements, type(local), local.dtype, donate):
+            _, plan, run = last
+        else:
+            plan, run = self._runnable(placements, donate)
         if not async_op:
             piece = run(local, False)
             if donate:
