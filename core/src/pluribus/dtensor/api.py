@@ -177,8 +177,9 @@ class DTensor:
             raise ValueError(f"rank {_rank()}: redistribute needs placements=")
         # The repeated call, which users time against the collective by hand: the last plan
         # from this layout on this mesh when it has the same target and array signature (one
-        # lookup hashed by identity, then compared by identity: layouts and placements are
-        # interned; cheaper than hashing the whole key), the compiled plan, the result.
+        # lookup keyed by the interned layout, then a tuple compare that the interned
+        # placements make identity checks; cheaper than hashing the whole key), the compiled
+        # plan, the result.
         local = self._local
         if local is None:  # donated, or a pending redistribute's result (wait for it)
             local = self.to_local()
