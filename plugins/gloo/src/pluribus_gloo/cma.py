@@ -13,7 +13,6 @@ peer in another pid namespace, whose number means another process here, fails th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 import numpy as np
@@ -27,8 +26,7 @@ class _IOVec(ctypes.Structure):
 
 def _load():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        readv = libc.process_vm_readv
+        readv = ctypes.CDLL(None, use_errno=True).process_vm_readv  # libc, as futex.py loads it
     except (OSError, AttributeError):  # not Linux, or a libc without it
         return None
     readv.restype = ctypes.c_ssize_t
