@@ -6,7 +6,6 @@ import numpy as np
 import pluribus as pb
 import pytest
 from dtensor_helpers import CountingPlugin
-from pluribus.device_mesh import DeviceMesh
 from pluribus.dtensor import (
     DTensor,
     Partial,
@@ -17,6 +16,7 @@ from pluribus.dtensor import (
     init_device_mesh,
     redistribute_plan,
 )
+from pluribus.mesh import DeviceMesh
 from pluribus.testing import RanksFailed, run_ranks
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pluribus
 from pluribus import nn
-from pluribus.device_mesh import init_device_mesh
+from pluribus.mesh import init_device_mesh
 from pluribus.parallel import MixedPrecisionPolicy, fully_shard
 
 FEATURES, CLASSES = 12, 5

@@ -12,7 +12,7 @@ import numpy as np
 import pluribus
 import pytest
 from pluribus import nn
-from pluribus.device_mesh import init_device_mesh
+from pluribus.mesh import init_device_mesh
 from pluribus.parallel import MixedPrecisionPolicy, fully_shard
 from pluribus.testing import run_ranks
 

@@ -5,7 +5,7 @@ say how; the :class:`Layout` adds each rank's shard size; :func:`redistribute_pl
 collectives a change of placements costs, and ``redistribute`` runs exactly those.
 """
 
-from ..device_mesh import DeviceMesh, init_device_mesh
+from ..mesh import DeviceMesh, init_device_mesh
 from . import ops
 from .api import DTensor, distribute_tensor, from_local, redistribute_plan
 from .layout import Layout, split_sizes

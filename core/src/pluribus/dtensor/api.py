@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .. import distributed as dist
-from ..device_mesh import DeviceMesh
+from ..mesh import DeviceMesh
 from ..nn.module import array_namespace
 from .layout import Layout, default_layout, normalize_placements
 from .placements import Partial, Placement, Replicate, Shard

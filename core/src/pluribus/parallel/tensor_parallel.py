@@ -15,9 +15,9 @@ import fnmatch
 from typing import Any
 
 from .. import distributed as dist
-from ..device_mesh import DeviceMesh
 from ..dtensor import Partial, Placement, Replicate, Shard, from_local
 from ..dtensor.layout import split_sizes
+from ..mesh import DeviceMesh
 from ..nn.layers import Linear
 from ..nn.module import Module, Parameter, array_namespace
 from ..nn.transformer import CausalSelfAttention

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ... import distributed as dist
-from ...device_mesh import DeviceMesh, init_device_mesh
+from ...mesh import DeviceMesh, init_device_mesh
 from ...nn.module import Module
 from .buffers import SendBuffers
 from .ledger import LedgerReport, MemoryLedger
