@@ -196,6 +196,12 @@ def _errors(case):
         distribute_tensor(x, mesh, [Shard(2)])
     elif case == "from_local":
         from_local(np.zeros((2, 2 + rank)), mesh, [Shard(0)])
+    elif case == "from_local ndim":  # rank 0's own check refuses Shard(2) of its 2-d piece
+        from_local(np.zeros((2, 2) + (2,) * rank), mesh, [Shard(2)])
+    elif case == "from_local placements":
+        from_local(np.zeros((2, 2)), mesh, [Shard(1 - rank)])
+    elif case == "from_local refused":  # the same bad placements on every rank
+        from_local(np.zeros((2, 2)), mesh, [Shard(0), Replicate()])
     elif case == "two meshes":
         other = DeviceMesh("cpu", [1, 0])
         distribute_tensor(x, mesh, [Replicate()]) + distribute_tensor(x, other, [Replicate()])
@@ -215,6 +221,9 @@ def _errors(case):
         ("placements", [0, 1], "2 placements .* for a mesh of 1 dimensions"),
         ("dim", [0, 1], r"Shard\(2\) on mesh dimension 0: the tensor has 2 dimension"),
         ("from_local", [0, 1], "rank 0 has shape .* and rank 1 .*same size"),
+        ("from_local ndim", [0, 1], "from_local: rank 0 has a 2-d piece, rank 1 a 3-d one"),
+        ("from_local placements", [0, 1], r"rank 0 passes placements \[Shard\(1\)\], rank 1"),
+        ("from_local refused", [0, 1], "2 placements .* for a mesh of 1 dimensions"),
         ("two meshes", [0, 1], "mixes DTensors of two meshes"),
         ("not in mesh", [0, 1], "must hold every rank of the world 0..1"),
         ("mesh shape", [0, 1], r"mesh shape \(3,\) holds 3 ranks but the world has 2"),
@@ -225,7 +234,7 @@ def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, cou
     with pytest.raises(RanksFailed) as failed:
         run_ranks(_errors, 2, args=(case,))
     sent = [c for calls in counting.calls.values() for c in calls]
-    if case == "from_local":  # the check itself: one exchange of shapes, then the error
+    if case.startswith("from_local"):  # the check itself: one exchange, then the error
         assert {c[0] for c in sent} == {"all_gather"}
     else:
         assert sent == [], "nothing may be sent before the error"
@@ -236,6 +245,64 @@ def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, cou
         import re
 
         assert re.search(message, e.message), e.message
+
+
+def _pieces_of_their_own_body():
+    rank = pb.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    whole = np.arange(12.0).reshape(3, 4)
+    # a strided piece on one rank only (a transpose's): every collective still gets a
+    # contiguous one, on every rank
+    terms = whole.T.copy() * (rank + 1), (whole * (rank + 1)).T
+    x = from_local(terms[rank], mesh, [Partial()])
+    assert x.to_local().flags.c_contiguous
+    np.testing.assert_array_equal(x.full_tensor(), 3 * whole.T)
+    np.testing.assert_array_equal(x.T.full_tensor(), 3 * whole)
+    # distribute_tensor copies: the caller's array is never written, nor read again
+    kept = whole.copy()
+    y = distribute_tensor(whole, mesh, [Partial("avg")])
+    z = y.redistribute(placements=[Replicate()], donate=True)
+    whole[:] = -1
+    np.testing.assert_array_equal(z.to_local(), kept)
+    np.testing.assert_array_equal(distribute_tensor(kept, mesh).full_tensor(), kept)
+    # a read-only piece, donated: reduced in a copy
+    frozen = kept * (rank + 1)
+    frozen.flags.writeable = False
+    total = from_local(frozen, mesh, [Partial()]).redistribute(
+        placements=[Replicate()], donate=True
+    )
+    np.testing.assert_array_equal(total.to_local(), 3 * kept)
+    # a redistribute with nothing to do is the DTensor itself; donated, both are gone
+    r = distribute_tensor(kept, mesh, [Partial()])
+    assert r.redistribute(placements=[Partial()]) is r
+    term = r.to_local()
+    again = r.redistribute(placements=[Partial()], donate=True)
+    assert again.to_local() is term and "donated" in repr(r)
+    with pytest.raises(ValueError, match="donate=True"):
+        r.to_local()
+    # Replicate -> Partial gives each rank a term of its own: donating it keeps the source
+    s = distribute_tensor(kept, mesh)
+    for op in ("sum", "avg", "max"):
+        t = s.redistribute(placements=[Partial(op)]).redistribute(
+            placements=[Replicate()], donate=True
+        )
+        np.testing.assert_array_equal(t.to_local(), kept)
+        np.testing.assert_array_equal(s.to_local(), kept)
+    # 0-d arrays keep their shape
+    for placements in ([Replicate()], [Partial()], [Partial("max")]):
+        point = distribute_tensor(np.array(3.5), mesh, placements)
+        assert point.to_local().shape == () and point.full_tensor().shape == ()
+        assert point.full_tensor() == 3.5
+    pending = distribute_tensor(kept, mesh, [Shard(0)]).redistribute(
+        placements=[Replicate()], async_op=True
+    )
+    assert "dtype=float64 (pending)" in repr(pending)
+    np.testing.assert_array_equal(pending.to_local(), kept)
+    return True
+
+
+def test_every_piece_is_contiguous_and_its_own_and_donating_writes_nothing_else():
+    assert run_ranks(_pieces_of_their_own_body, 2, timeout=40) == [True, True]
 
 
 def test_placements_and_layouts_are_interned_values():

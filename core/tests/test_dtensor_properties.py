@@ -61,7 +61,8 @@ def cases(draw):
     shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3)))
     chain = draw(st.lists(placements(len(mesh), len(shape)), min_size=2, max_size=4))
     donate = draw(st.lists(st.booleans(), min_size=len(chain), max_size=len(chain)))
-    return mesh, shape, chain, donate, draw(st.integers(0, 2**16))
+    noise = draw(st.lists(st.booleans(), min_size=len(chain), max_size=len(chain)))
+    return mesh, shape, chain, donate, noise, draw(st.integers(0, 2**16))
 
 
 def _noisy(dt: DTensor, seed: int) -> DTensor:
@@ -89,11 +90,16 @@ def _noisy(dt: DTensor, seed: int) -> DTensor:
     return DTensor(local, mesh, dt.layout)
 
 
-def _check_chain(mesh_shape, shape, chain, donate, seed, counting):
+def _check_chain(mesh_shape, shape, chain, donate, noise, seed, counting):
+    """Each step's result against numpy, its collectives against its plan; and at the end,
+    every DTensor not donated still holds its piece (a later donation wrote nothing it held).
+    Noise, where drawn, gives the next step's Partial terms other values than the plan made
+    (it copies the piece: steps without it donate what the step before returned)."""
     rank = pb.get_rank()
     mesh = init_device_mesh("cpu", mesh_shape)
     reference = np.random.default_rng(seed).integers(-9, 9, shape).astype(np.float64)
     x = _noisy(distribute_tensor(reference, mesh, chain[0]), seed)
+    kept, donated = [], []
     for k, (target, give) in enumerate(zip(chain[1:], donate, strict=False)):
         plan = x.redistribute_plan(target, donate=give)
         before = x.to_local().copy()
@@ -108,6 +114,7 @@ def _check_chain(mesh_shape, shape, chain, donate, seed, counting):
         assert issued == expected, f"rank {rank}: plan\n{plan}\nissued {issued}"
         if not give:  # the source stays valid and unchanged
             np.testing.assert_array_equal(x.to_local(), before)
+        (donated if give else kept).append((x, before))
         x = y
         assert x.placements == plan.dst.placements
         assert x.shape == shape
@@ -117,8 +124,13 @@ def _check_chain(mesh_shape, shape, chain, donate, seed, counting):
                     assert x.layout.sizes[m] == split_sizes(shape[p.dim], mesh_shape[m])
             want = reference[x.layout.local_slices(mesh.coordinate)]
             np.testing.assert_allclose(x.to_local(), want, rtol=0, atol=1e-9)  # avg: /3
-        x = _noisy(x, seed + 1)  # Partial terms differ from the ones the plan made
+        if noise[k]:
+            x = _noisy(x, seed + 1)  # Partial terms differ from the ones the plan made
     np.testing.assert_allclose(x.full_tensor(), reference, rtol=0, atol=1e-9)
+    gone = {id(dt) for dt, _ in donated}  # a plan with no step hands back its source
+    for dt, piece in kept:
+        if id(dt) not in gone:
+            np.testing.assert_array_equal(dt.to_local(), piece)
     return True
 
 
@@ -130,9 +142,9 @@ def _check_chain(mesh_shape, shape, chain, donate, seed, counting):
 )
 @given(cases())
 def test_redistribute_chains_match_numpy_and_issue_exactly_the_plan(counting, case):
-    mesh_shape, shape, chain, donate, seed = case
+    mesh_shape, shape, chain, donate, noise, seed = case
     world = math.prod(mesh_shape)
-    args = (mesh_shape, shape, chain, donate, seed, counting)
+    args = (mesh_shape, shape, chain, donate, noise, seed, counting)
     assert run_ranks(_check_chain, world, args=args) == [True] * world
 
 

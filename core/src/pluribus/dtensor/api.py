@@ -34,6 +34,11 @@ class DTensor:
     __array_priority__ = 100  # numpy scalars and arrays defer to our operators
 
     def __init__(self, local: Any, mesh: DeviceMesh, layout: Layout, _pending=None):
+        # Every piece is C-contiguous (a strided one, such as a transpose's, is copied here),
+        # so that each rank can hand its piece to any collective as it is: a rank whose piece
+        # a collective refused would leave the others waiting in it.
+        if local is not None and not local.flags.c_contiguous:
+            local = array_namespace(local).ascontiguousarray(local)
         self._local = local
         self._mesh = mesh
         self._layout = layout
@@ -66,9 +71,16 @@ class DTensor:
         return self.to_local().dtype
 
     def __repr__(self) -> str:
+        # not self.dtype, which waits for a pending piece and refuses a donated one
+        if self._local is not None:
+            dtype = self._local.dtype
+        elif self._pending is not None:
+            dtype = f"{self._pending[1].dtype} (pending)"
+        else:
+            dtype = "donated"
         return (
             f"DTensor(shape={self.shape}, placements={list(self.placements)}, "
-            f"dtype={self.dtype}, mesh={self._mesh!r})"
+            f"dtype={dtype}, mesh={self._mesh!r})"
         )
 
     # -- local and global values ------------------------------------------------------------
@@ -136,12 +148,14 @@ class DTensor:
             entry = mesh.plan_cache[key] = [plan, None]
         return key, entry
 
-    def _runnable(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run]:
+    def _runnable(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run | None]:
         """The plan to ``placements`` and the function that runs it (compiled here the first
         time), remembered as the last plan from this layout on this mesh, which a repeated
-        :meth:`redistribute` checks first."""
+        :meth:`redistribute` checks first; None for a plan with no step."""
         key, entry = self._planned(placements, donate)
         plan, run = entry
+        if not plan.steps:  # nothing moves: redistribute hands back this DTensor
+            return plan, None
         if run is None:
             local = self._local
             xp = np if type(local) is np.ndarray else array_namespace(local)
@@ -189,6 +203,8 @@ class DTensor:
             _, plan, run = last
         else:
             plan, run = self._runnable(placements, donate)
+            if run is None:
+                return self._unmoved(local, donate)
         if not async_op:
             piece = run(local, False)
             if donate:
@@ -205,6 +221,15 @@ class DTensor:
         if work is None:
             return DTensor(out if post is None else post(out), self._mesh, plan.dst)
         return DTensor(None, self._mesh, plan.dst, (work, out, post))
+
+    def _unmoved(self, local: Any, donate: bool) -> DTensor:
+        """A redistribute with nothing to do: this DTensor itself (torch's rule), not a second
+        one on the same piece, which a later donation of either would write over. Donated, the
+        piece moves to a new DTensor and this one can no longer be used, as for any plan."""
+        if not donate:
+            return self
+        self._local = None
+        return DTensor(local, self._mesh, self._layout)
 
     # -- operators (pluribus.dtensor.ops) ---------------------------------------------------
 
@@ -264,19 +289,23 @@ def _ops():
 def distribute_tensor(
     tensor: Any, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None
 ) -> DTensor:
-    """Cut ``tensor`` (the same whole array on every rank) into this rank's piece, without
-    communicating. ``Partial("sum")`` keeps the value on the first rank of its mesh dimension
-    and zeros elsewhere (exact); other Partial ops keep it everywhere."""
+    """Cut ``tensor`` (the same whole array on every rank) into this rank's piece, a copy,
+    without communicating. ``Partial("sum")`` keeps the value on the first rank of its mesh
+    dimension and zeros elsewhere (exact); other Partial ops keep it everywhere."""
     mesh = device_mesh
     if placements is None:
         placements = (Replicate(),) * mesh.ndim
     targets = normalize_placements(placements, tensor.ndim, mesh.shape, _rank())
     layout = default_layout(tuple(tensor.shape), targets, mesh.shape)
-    local = tensor[layout.local_slices(mesh.coordinate)]
-    for m, p in enumerate(targets):
-        if isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0:
-            local = array_namespace(local).zeros_like(local)
-    return DTensor(array_namespace(local).ascontiguousarray(local), mesh, layout)
+    xp = array_namespace(tensor)
+    piece = tensor[layout.local_slices(mesh.coordinate)]  # numpy: a 0-d array's is a scalar
+    zero = any(
+        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
+        for m, p in enumerate(targets)
+    )
+    # a copy: the DTensor never sees later writes to ``tensor``, nor writes to it when donated
+    local = xp.zeros(piece.shape, tensor.dtype) if zero else xp.array(piece)
+    return DTensor(local, mesh, layout)
 
 
 def from_local(
@@ -296,10 +325,10 @@ def from_local(
     rank = _rank()
     if placements is None:
         placements = (Replicate(),) * mesh.ndim
-    targets = normalize_placements(placements, local.ndim, mesh.shape, rank)
     if run_check:
-        layout = _checked_layout(local, mesh, targets, shape)
+        layout = _checked_layout(local, mesh, placements, shape)
     else:
+        targets = normalize_placements(placements, local.ndim, mesh.shape, rank)
         if shape is None:
             shape = list(local.shape)
             for m, p in enumerate(targets):
@@ -316,20 +345,30 @@ def from_local(
     return DTensor(local, mesh, layout)
 
 
-def _checked_layout(local, mesh: DeviceMesh, placements, shape) -> Layout:
+def _checked_layout(local, mesh: DeviceMesh, given, shape) -> Layout:
+    """The layout the ranks' pieces make, checked on every rank alike: the ranks exchange
+    what they were given before any of them checks it, so that a rank whose own placements
+    fail (they disagree with the other ranks', or with its piece) fails with all the others
+    instead of leaving them waiting in the exchange."""
+    me = dist.get_rank()
+    given = tuple(given) if isinstance(given, (list, tuple)) else (given,)
+    try:
+        placements, refused = normalize_placements(given, local.ndim, mesh.shape, me), None
+    except (TypeError, ValueError) as exc:
+        placements, refused = None, (type(exc).__name__, str(exc))
     # placements travel as their repr: the object collectives carry plain data only
-    names = tuple(repr(p) for p in placements)
-    info = [(dist.get_rank(), mesh.coordinate, tuple(local.shape), str(local.dtype), names)]
+    names = tuple(repr(p) for p in given)
+    info = [(me, mesh.coordinate, tuple(local.shape), str(local.dtype), names, refused)]
     for m in range(mesh.ndim):
         gathered = dist.all_gather_object(info, group=mesh.get_group(m))
         info = [item for part in gathered for item in part]
-    by_coord = {coord: (r, s, dt, pl) for r, coord, s, dt, pl in info}
+    by_coord = {coord: (r, s, dt, pl) for r, coord, s, dt, pl, _ in info}
 
     def fail(message: str):
-        raise ValueError(f"rank {dist.get_rank()}: from_local: {message}")
+        raise ValueError(f"rank {me}: from_local: {message}")
 
     first = info[0]
-    for r, _, s, dt, pl in info:
+    for r, _, s, dt, pl, _ in info:
         if pl != first[4]:
             fail(
                 f"rank {first[0]} passes placements [{', '.join(first[4])}], rank {r} "
@@ -339,12 +378,18 @@ def _checked_layout(local, mesh: DeviceMesh, placements, shape) -> Layout:
             fail(f"rank {first[0]} has dtype {first[3]}, rank {r} {dt}")
         if len(s) != len(first[2]):
             fail(f"rank {first[0]} has a {len(first[2])}-d piece, rank {r} a {len(s)}-d one")
+    # the ranks agree; placements one of them refused fail on every rank
+    for r, *_, problem in sorted(info, key=lambda item: item[0] != me):  # this rank's first
+        if problem is not None:
+            kind, message = problem
+            error = TypeError if kind == "TypeError" else ValueError
+            raise error(message if r == me else f"rank {me}: from_local: rank {r} says {message}")
     sharded = {p.dim: m for m, p in enumerate(placements) if isinstance(p, Shard)}
     global_shape = list(first[2])
     sizes: list[tuple[int, ...] | None] = [None] * mesh.ndim
     for d in range(len(global_shape)):
         if d not in sharded:
-            for r, _, s, _, _ in info:
+            for r, _, s, *_ in info:
                 if s[d] != first[2][d]:
                     fail(
                         f"dimension {d} is not sharded but rank {first[0]} has shape "
@@ -366,7 +411,7 @@ def _checked_layout(local, mesh: DeviceMesh, placements, shape) -> Layout:
     if shape is not None and tuple(shape) != tuple(global_shape):
         fail(
             f"shape={tuple(shape)} but the ranks' pieces make {tuple(global_shape)} "
-            f"(pieces: {sorted((r, s) for r, _, s, _, _ in info)})"
+            f"(pieces: {sorted((r, s) for r, _, s, *_ in info)})"
         )
     return Layout(tuple(global_shape), placements, tuple(sizes))
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .. import distributed as dist
 from .plan import Plan, Step
 
@@ -77,7 +79,8 @@ def _compile_step(mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, 
     if kind == "partial_local":
         if step.dst.op == "sum" and me != 0:
             return _local_step(xp.zeros_like)
-        return _local_step(None)
+        # a term of its own: an all-reduce in place on it, once donated, writes nothing else
+        return _local_step(xp.copy)
     # perm: index along mesh dimension m -> rank in the group
     group, perm, identity = mesh.group_info(m)
     if kind == "all_reduce":
@@ -115,8 +118,11 @@ def _back(d: int, xp: Any):
 def _compile_all_reduce(step: Step, xp, dtype, shape, group) -> Run:
     op, all_reduce, empty = step.src.reduce_op, dist.all_reduce, xp.empty
     if step.how == "in place":
+        numpy = xp is np
 
         def in_place(local, async_op):
+            if numpy and not local.flags.writeable:  # a donated read-only piece: a copy
+                local = local.copy()
             work = all_reduce(local, op, group, async_op)
             return (work, local, None) if async_op else local
 
@@ -138,7 +144,7 @@ def _compile_all_gather(step: Step, xp, dtype, front, group, perm, identity) -> 
     single = identity and step.even
 
     def gather(local, async_op):
-        piece = local if not d and local.flags.c_contiguous else _front(xp, local, d)
+        piece = _front(xp, local, d) if d else local  # a DTensor's piece is contiguous
         out = empty(shape, dtype)
         outputs = out if single else _ordered(perm, [out[s] for s in spans])
         work = all_gather(outputs, piece, group, async_op)
@@ -158,7 +164,7 @@ def _compile_reduce_scatter(step: Step, xp, dtype, front, group, perm, identity,
     single = identity and step.even
 
     def scatter(local, async_op):
-        whole = local if not d and local.flags.c_contiguous else _front(xp, local, d)
+        whole = _front(xp, local, d) if d else local  # a DTensor's piece is contiguous
         out = empty(shape, dtype)
         inputs = whole if single else _ordered(perm, [whole[s] for s in spans])
         work = reduce_scatter(out, inputs, op, group, async_op)
