@@ -305,6 +305,36 @@ def test_every_piece_is_contiguous_and_its_own_and_donating_writes_nothing_else(
     assert run_ranks(_pieces_of_their_own_body, 2, timeout=40) == [True, True]
 
 
+def _reductions_like_numpy_body():
+    mesh = init_device_mesh("cpu", (2,))
+    flags = np.array([True, True, False, True, True])
+    small = np.full(4, 100, np.int8)
+    for placements in ([Shard(0)], [Replicate()]):
+        total = distribute_tensor(flags, mesh, placements).sum()
+        assert total.full_tensor() == 4 and total.dtype == flags.sum().dtype
+        assert distribute_tensor(small, mesh, placements).sum().full_tensor() == 400
+    with pytest.raises(ValueError, match="max over an axis of size 0"):
+        distribute_tensor(np.zeros((3, 0)), mesh, [Shard(0)]).max(axis=1)
+    x = distribute_tensor(np.array([1.0, 2.0, 4.0]), mesh, [Shard(0)])
+    np.testing.assert_array_equal((1 / x).full_tensor(), [1.0, 0.5, 0.25])
+    # Partial max terms [1, -5, 0] and [0, -2, 3]: the value is [1, -2, 3]
+    terms = [np.array([1.0, -5.0, 0.0]), np.array([0.0, -2.0, 3.0])][pb.get_rank()]
+    peak = from_local(terms, mesh, [Partial("max")])
+    for got, want, op in [
+        (5 - peak, [4.0, 7.0, 2.0], "min"),
+        (peak * -2, [-2.0, 4.0, -6.0], "min"),
+        (2 * peak, [2.0, -4.0, 6.0], "max"),
+        (peak / -1, [-1.0, 2.0, -3.0], "min"),
+    ]:
+        assert got.placements == (Partial(op),)
+        np.testing.assert_array_equal(got.full_tensor(), want)
+    return True
+
+
+def test_reductions_and_scalar_operations_give_what_numpy_gives():
+    assert run_ranks(_reductions_like_numpy_body, 2, timeout=40) == [True, True]
+
+
 def test_placements_and_layouts_are_interned_values():
     """Equal placements and layouts are one object (the plan cache hashes by identity), and
     stay so through copies and pickles; they cannot be changed in place."""

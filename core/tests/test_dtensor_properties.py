@@ -148,7 +148,15 @@ def test_redistribute_chains_match_numpy_and_issue_exactly_the_plan(counting, ca
     assert run_ranks(_check_chain, world, args=args) == [True] * world
 
 
-def _check_ops(mesh_shape, shape, pa, pb_, seed):
+SCALAR_OPS = {
+    "add": lambda x, y: x + y,
+    "sub": lambda x, y: x - y,
+    "mul": lambda x, y: x * y,
+    "div": lambda x, y: x / y,
+}
+
+
+def _check_ops(mesh_shape, shape, pa, pa_any, seed):
     mesh = init_device_mesh("cpu", mesh_shape)
     rng = np.random.default_rng(seed)
     a_ref = rng.integers(-9, 9, shape).astype(np.float64)
@@ -157,6 +165,27 @@ def _check_ops(mesh_shape, shape, pa, pb_, seed):
     b = distribute_tensor(b_ref, mesh, pa)
     np.testing.assert_array_equal((a + b * 2 - b).full_tensor(), a_ref + b_ref * 2 - b_ref)
     np.testing.assert_array_equal((-a).full_tensor(), -a_ref)
+    # with a scalar on either side, on terms that differ between ranks: a wrong result, never
+    # a refusal, is the failure (the rules refuse what they cannot do locally)
+    terms = _noisy(distribute_tensor(a_ref, mesh, pa_any), seed)
+
+    def quiet():  # c / 0, as numpy's reference does
+        return np.errstate(divide="ignore", invalid="ignore")
+
+    for c in (2.5, -1.5):
+        for name, op in SCALAR_OPS.items():
+            for left in (False, True):
+                try:
+                    with quiet():
+                        got = op(c, terms) if left else op(terms, c)
+                except ValueError as refused:
+                    assert "would change the reduced value" in str(refused)
+                    continue
+                with quiet():
+                    want = op(c, a_ref) if left else op(a_ref, c)
+                np.testing.assert_allclose(
+                    got.full_tensor(), want, rtol=1e-12, atol=1e-12, err_msg=name
+                )
     for axis in [None, 0, len(shape) - 1]:
         for name in ("sum", "max", "min", "mean"):
             src = (
@@ -178,18 +207,19 @@ def _check_ops(mesh_shape, shape, pa, pb_, seed):
 def op_cases(draw):
     mesh = draw(st.sampled_from(MESHES[:7]))
     shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
-    pa = draw(placements(len(mesh), len(shape)))
-    pa = [Partial() if isinstance(p, Partial) else p for p in pa]
-    return mesh, shape, pa, draw(st.integers(0, 2**16))
+    pa_any = draw(placements(len(mesh), len(shape)))  # Partial of any op
+    pa = [Partial() if isinstance(p, Partial) else p for p in pa_any]
+    return mesh, shape, pa, pa_any, draw(st.integers(0, 2**16))
 
 
 @pytest.mark.timeout(90)
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(op_cases())
 def test_elementwise_and_reductions_propagate_placements(case):
-    mesh_shape, shape, pa, seed = case
+    mesh_shape, shape, pa, pa_any, seed = case
     world = math.prod(mesh_shape)
-    assert run_ranks(_check_ops, world, args=(mesh_shape, shape, pa, None, seed)) == [True] * world
+    args = (mesh_shape, shape, pa, pa_any, seed)
+    assert run_ranks(_check_ops, world, args=args) == [True] * world
 
 
 def _check_from_local_uneven(sizes):

@@ -79,7 +79,7 @@ def test_split_block_equals_the_block_on_gloo(world):
     run_ranks(_block_parity, world, backend="gloo", args=(True, None), timeout=100)
 
 
-def _linear_layouts():
+def _linear_layouts(batch: int):
     mesh = init_device_mesh("cpu", (pb.get_world_size(),))
     rng = np.random.default_rng(3)
     first, second = (
@@ -93,12 +93,12 @@ def _linear_layouts():
     parallelize_module(
         second, mesh, RowwiseParallel(input_layouts=pb_replicate(), output_layouts=Shard(0))
     )
-    x, g = rng.normal(size=(4, 6)), rng.normal(size=(4, 3))
+    x, g = rng.normal(size=(batch, 6)), rng.normal(size=(batch, 3))
     y = second.forward(first.forward(x))
     want = ref2.forward(ref1.forward(x))
-    me = mesh.get_local_rank()
-    np.testing.assert_allclose(y, want[2 * me : 2 * me + 2], rtol=1e-12)
-    gx = first.backward(second.backward(g[2 * me : 2 * me + 2]))
+    mine = np.array_split(np.arange(batch), mesh.size())[mesh.get_local_rank()]  # 5: 3, 2
+    np.testing.assert_allclose(y, want[mine], rtol=1e-12)
+    gx = first.backward(second.backward(g[mine]))
     np.testing.assert_allclose(gx, ref1.backward(ref2.backward(g)), rtol=1e-10)
     for p, q in [
         (first.weight, ref1.weight),
@@ -116,8 +116,44 @@ def pb_replicate():
 
 
 @pytest.mark.timeout(60)
-def test_linear_styles_with_gathered_and_scattered_layouts_and_uneven_features():
-    assert run_ranks(_linear_layouts, 2) == [True, True]
+@pytest.mark.parametrize("batch", [4, 5])
+def test_linear_styles_with_gathered_and_scattered_layouts_and_uneven_features(batch):
+    assert run_ranks(_linear_layouts, 2, args=(batch,)) == [True, True]
+
+
+def _batch_sharded_input_and_empty_pieces():
+    """A column-parallel layer taking the batch sharded unevenly (its sizes learned from the
+    ranks, never guessed), and an MLP whose 2 hidden features leave one of 3 ranks none."""
+    from pluribus.parallel import MLPParallel
+
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    rng = np.random.default_rng(8)
+    mine = np.array_split(np.arange(7), mesh.size())[mesh.get_local_rank()]  # 3, 2, 2
+    layer = nn.Linear(4, 5, dtype=np.float64, rng=9)
+    reference = copy.deepcopy(layer)
+    parallelize_module(
+        layer, mesh, ColwiseParallel(input_layouts=Shard(0), output_layouts=pb_replicate())
+    )
+    x, g = rng.normal(size=(7, 4)), rng.normal(size=(7, 5))
+    np.testing.assert_allclose(layer.forward(x[mine]), reference.forward(x), rtol=1e-12)
+    np.testing.assert_allclose(layer.backward(g), reference.backward(g)[mine], rtol=1e-10)
+    np.testing.assert_allclose(full_parameter(layer.weight, grad=True), reference.weight.grad)
+    mlp = nn.Sequential(
+        nn.Linear(4, 2, dtype=np.float64, rng=10),
+        nn.ReLU(),
+        nn.Linear(2, 4, dtype=np.float64, rng=11),
+    )
+    reference = copy.deepcopy(mlp)
+    parallelize_module(mlp, mesh, MLPParallel())
+    x, g = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    np.testing.assert_allclose(mlp.forward(x), reference.forward(x), rtol=1e-12)
+    np.testing.assert_allclose(mlp.backward(g), reference.backward(g), rtol=1e-10, atol=1e-15)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_batch_sharded_unevenly_and_ranks_without_features():
+    assert run_ranks(_batch_sharded_input_and_empty_pieces, 3) == [True] * 3
 
 
 def _bad_heads():
@@ -177,14 +213,14 @@ def test_dp_by_tp_training_equals_one_process():
         assert mean == pytest.approx(want_losses[step], rel=1e-9)
 
 
-def _gpt_sequence_parallel(counting: CountingPlugin):
+def _gpt_sequence_parallel(counting: CountingPlugin, tokens: int):
     mesh = init_device_mesh("cpu", (pb.get_world_size(),))
     config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
     model = nn.GPT(config, dtype=np.float64, rng=0)
     reference = copy.deepcopy(model)
     parallelize_module(model, mesh, transformer_plan(model, sequence_parallel=True))
-    idx = np.random.default_rng(6).integers(0, 32, size=(2, 8))
-    grad = np.random.default_rng(7).normal(size=(2, 8, 32))
+    idx = np.random.default_rng(6).integers(0, 32, size=(2, tokens))
+    grad = np.random.default_rng(7).normal(size=(2, tokens, 32))
     want = reference.forward(idx)
     reference.backward(grad)
     mark = counting.mark(pb.get_rank())
@@ -204,6 +240,6 @@ def _gpt_sequence_parallel(counting: CountingPlugin):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world", [2, 4])
-def test_sequence_parallel_gpt_equals_the_gpt(world, counting):
-    assert run_ranks(_gpt_sequence_parallel, world, args=(counting,)) == [True] * world
+@pytest.mark.parametrize("world, tokens", [(2, 8), (4, 8), (4, 7)])  # 7 over 4: 2, 2, 2, 1
+def test_sequence_parallel_gpt_equals_the_gpt(world, tokens, counting):
+    assert run_ranks(_gpt_sequence_parallel, world, args=(counting, tokens)) == [True] * world

@@ -254,6 +254,9 @@ class DTensor:
     def __truediv__(self, other):
         return _ops().div(self, other)
 
+    def __rtruediv__(self, other):
+        return _ops().div(other, self)
+
     def __neg__(self):
         return _ops().neg(self)
 

@@ -19,6 +19,8 @@ from .layout import Layout
 from .placements import Partial, Placement, Replicate, Shard
 
 _LINEAR = ("sum", "avg")
+#: the placement of a Partial max or min after a decreasing map of its terms
+_FLIP = {"max": Partial("min"), "min": Partial("max")}
 
 
 def _fail(message: str):
@@ -77,22 +79,29 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
     x, scalar = (a, b) if isinstance(a, DTensor) else (b, a)
     if not _scalar(scalar):
         _fail(f"{name} of a DTensor and a {type(scalar).__name__}: use a scalar or a DTensor")
+    placements = list(x.placements)
+    scaled = name == "mul" or (name == "div" and x is a)  # every term times one number
     for m, p in enumerate(x.placements):
         if not isinstance(p, Partial):
             continue
-        ok = {
-            "sum": name in ("mul", "div") and x is a,
-            "avg": name in ("add", "sub", "mul") or (name == "div" and x is a),
-            "max": name in ("add", "sub") or (name in ("mul", "div") and x is a and scalar > 0),
-            "min": name in ("add", "sub") or (name in ("mul", "div") and x is a and scalar > 0),
-        }[p.op]
+        if p.op == "sum":  # a shift would be added once per term
+            ok = scaled
+        elif p.op == "avg":
+            ok = scaled or name in ("add", "sub")
+        else:  # max, min: a monotone map of every term; a decreasing one swaps max and min
+            ok = name in ("add", "sub") or (scaled and np.isrealobj(scalar))
+            if ok and ((name == "sub" and x is b) or (scaled and scalar < 0)):
+                placements[m] = _FLIP[p.op]
         if not ok:
             _fail(
                 f"{name} of {p!r} (mesh dimension {m}) and a scalar would change the reduced "
                 "value; redistribute to Replicate first"
             )
+    layout = x.layout
+    if placements != list(x.placements):
+        layout = Layout(x.shape, tuple(placements), x.layout.sizes)
     return DTensor(fn(a.to_local() if a is x else a, b.to_local() if b is x else b),
-                   x.device_mesh, x.layout)  # fmt: skip
+                   x.device_mesh, layout)  # fmt: skip
 
 
 def add(a, b):
@@ -113,10 +122,7 @@ def div(a, b):
 
 def neg(x: DTensor) -> DTensor:
     """``-x``: negating the terms of a max gives the min of the negated terms."""
-    flip = {"max": "min", "min": "max"}
-    placements = tuple(
-        Partial(flip.get(p.op, p.op)) if isinstance(p, Partial) else p for p in x.placements
-    )
+    placements = tuple(_FLIP.get(p.op, p) if isinstance(p, Partial) else p for p in x.placements)
     return DTensor(-x.to_local(), x.device_mesh, Layout(x.shape, placements, x.layout.sizes))
 
 
@@ -158,6 +164,8 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
 
 def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool) -> DTensor:
     axes = _axes(axis, x.ndim)
+    if name in ("max", "min") and any(x.shape[a] == 0 for a in axes):
+        _fail(f"{name} over an axis of size 0 (shape {x.shape}) has no identity, as in numpy")
     partial_op = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}[name]
     placements: list[Placement] = []
     sizes = list(x.layout.sizes)
@@ -203,7 +211,8 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool) -> DTensor:
         else:
             out = getattr(xp, name)(local, axis=axes, keepdims=keepdims)
     shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape) if keepdims or d not in axes)
-    out = xp.asarray(out, dtype=local.dtype if name != "mean" else out.dtype)
+    # max and min keep the dtype; sum and mean take numpy's (bool and small ints sum as int)
+    out = xp.asarray(out, dtype=local.dtype if name in ("max", "min") else None)
     return DTensor(out, x.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))
 
 

@@ -64,7 +64,7 @@ class Linear(Module):
 
     def backward_input(self, grad_output: Any) -> Any:
         x = self.saved("input")
-        g = grad_output.reshape(-1, self.out_features)
+        g = _matrix(grad_output)
         self.save_for_backward(grad_output=g)
         return (g @ self.weight.data).reshape(x.shape)
 
@@ -73,11 +73,17 @@ class Linear(Module):
         # bias first: backward visits parameters in reverse definition order, as DDP buckets do
         if self.bias is not None:
             self.bias.accumulate_grad(g.sum(axis=0))
-        self.weight.accumulate_grad(g.T @ x.reshape(-1, self.in_features))
+        self.weight.accumulate_grad(g.T @ _matrix(x))
         self.release_saved(recurse=False)
 
     def __repr__(self) -> str:
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias is not None})"
+
+
+def _matrix(array: Any) -> Any:
+    """``array`` as (rows, last dimension), also when that dimension is empty (a
+    tensor-parallel rank may hold no features), where ``reshape(-1, 0)`` cannot tell the rows."""
+    return array.reshape(math.prod(array.shape[:-1]), array.shape[-1])
 
 
 class ReLU(Module):

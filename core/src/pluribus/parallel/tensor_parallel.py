@@ -27,19 +27,36 @@ def _rank_text(mesh: DeviceMesh) -> str:
     return f"rank {dist.get_rank()}"
 
 
-def _move(array: Any, mesh: DeviceMesh, src: Placement, dst: Placement, full: int) -> Any:
-    """``array`` (this rank's piece in ``src``, ``full`` entries along the last dimension when
-    sharded) redistributed to ``dst`` along the mesh."""
+def _move(
+    array: Any,
+    mesh: DeviceMesh,
+    src: Placement,
+    dst: Placement,
+    features: int,
+    rows: int | None = None,
+) -> Any:
+    """``array`` (this rank's piece in ``src``) redistributed to ``dst`` along the mesh.
+    A ``Shard`` source of the last dimension has ``features`` entries there in all; of another
+    dimension (batch, sequence), ``rows`` when the caller knows them, else the ranks exchange
+    their pieces' shapes to learn the sizes (uneven ones included: never guessed)."""
     if src == dst:
         return array
-    shape: list[int] | None = list(array.shape)
+    shape = list(array.shape)
     if isinstance(src, Shard):
         if src.dim % len(shape) == len(shape) - 1:
-            shape[-1] = full
+            shape[-1] = features
+        elif rows is None:
+            return from_local(array, mesh, [src]).redistribute(placements=[dst]).to_local()
         else:
-            shape = None  # sequence parallel: equal pieces of the batch or time dimension
+            shape[src.dim] = rows
     dt = from_local(array, mesh, [src], run_check=False, shape=shape)
     return dt.redistribute(placements=[dst]).to_local()
+
+
+def _rows(shape: tuple[int, ...], placement: Placement) -> int | None:
+    """The global size along ``placement``'s sharded dimension of an array of global
+    ``shape`` (None for a placement that shards nothing)."""
+    return shape[placement.dim] if isinstance(placement, Shard) else None
 
 
 def _piece(array: Any, dim: int, mesh: DeviceMesh, chunks: int) -> Any:
@@ -138,11 +155,16 @@ class ColwiseParallel(ParallelStyle):
         if out != Shard(-1):
             if self._chunks != 1:
                 raise ValueError(f"{_rank_text(mesh)}: a fused projection keeps Shard(-1)")
-            module.register_forward_hook(
-                lambda m, args, y: _move(y, mesh, Shard(-1), out, full_out)
-            )
+
+            def gather_output(m, args, y):
+                m._tp_output_shape = (*y.shape[:-1], full_out)  # for the gradient's sizes
+                return _move(y, mesh, Shard(-1), out, full_out)
+
+            module.register_forward_hook(gather_output)
             module.register_full_backward_pre_hook(
-                lambda m, g: (_move(g[0], mesh, out, Shard(-1), full_out),)
+                lambda m, g: (
+                    _move(g[0], mesh, out, Shard(-1), full_out, _rows(m._tp_output_shape, out)),
+                )
             )
         if self._reduce_input_grad:
             module.register_full_backward_hook(
@@ -191,7 +213,12 @@ class RowwiseParallel(ParallelStyle):
         module.in_features = int(module.weight.data.shape[1])
         inp, out, features = self.input_layout, self.output_layout, module.out_features
         module.__class__ = _RowwiseLinear
-        module._tp_reduce = lambda y: _move(y, mesh, Partial(), out, features)
+
+        def reduce_output(y):
+            module._tp_output_shape = y.shape  # for the gradient's sizes
+            return _move(y, mesh, Partial(), out, features)
+
+        module._tp_reduce = reduce_output
         if inp != Shard(-1):
             module.register_forward_pre_hook(
                 lambda m, args: (_move(args[0], mesh, inp, Shard(-1), full_in),)
@@ -201,7 +228,9 @@ class RowwiseParallel(ParallelStyle):
             )
         if out != Replicate():
             module.register_full_backward_pre_hook(
-                lambda m, g: (_move(g[0], mesh, out, Replicate(), features),)
+                lambda m, g: (
+                    _move(g[0], mesh, out, Replicate(), features, _rows(m._tp_output_shape, out)),
+                )
             )
         return module
 
@@ -289,18 +318,20 @@ class SequenceParallel(ParallelStyle):
 class SequenceSharded(ParallelStyle):
     """Run a module (the stack of blocks) on this rank's part of dimension ``dim``: its
     replicated input is sliced on the way in and its output gathered on the way out (and the
-    reverse for gradients). The sequence length must divide by the tensor-parallel size."""
+    reverse for gradients); a sequence length that does not divide by the tensor-parallel size
+    is cut by the array_split rule."""
 
     def __init__(self, dim: int = 1):
         self.dim = dim
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        part = Shard(self.dim)
+        part, rows = Shard(self.dim), {}
 
-        def whole(x: Any, m=mesh) -> Any:
-            return _move(x, m, part, Replicate(), 0)
+        def whole(x: Any, m=mesh) -> Any:  # the sizes mine() cut
+            return _move(x, m, part, Replicate(), 0, rows["n"])
 
         def mine(x: Any, m=mesh) -> Any:
+            rows["n"] = x.shape[self.dim]
             return _move(x, m, Replicate(), part, 0)
 
         module.register_forward_pre_hook(lambda m, args: (mine(args[0]),))
