@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from .. import distributed as dist
 from .plan import Plan, Step
 
@@ -118,12 +116,15 @@ def _back(d: int, xp: Any):
 def _compile_all_reduce(step: Step, xp, dtype, shape, group) -> Run:
     op, all_reduce, empty = step.src.reduce_op, dist.all_reduce, xp.empty
     if step.how == "in place":
-        numpy = xp is np
 
         def in_place(local, async_op):
-            if numpy and not local.flags.writeable:  # a donated read-only piece: a copy
+            try:
+                work = all_reduce(local, op, group, async_op)
+            except ValueError:  # refused before anything was sent; a read-only piece: a copy
+                if getattr(local.flags, "writeable", True):
+                    raise
                 local = local.copy()
-            work = all_reduce(local, op, group, async_op)
+                work = all_reduce(local, op, group, async_op)
             return (work, local, None) if async_op else local
 
         return in_place
