@@ -354,11 +354,18 @@ def _checked_layout(local, mesh: DeviceMesh, given, shape) -> Layout:
     fail (they disagree with the other ranks', or with its piece) fails with all the others
     instead of leaving them waiting in the exchange."""
     me = dist.get_rank()
-    given = tuple(given) if isinstance(given, (list, tuple)) else (given,)
+    placements, refused = None, None
     try:
-        placements, refused = normalize_placements(given, local.ndim, mesh.shape, me), None
-    except (TypeError, ValueError) as exc:
-        placements, refused = None, (type(exc).__name__, str(exc))
+        given = tuple(given)
+    except TypeError:  # not a sequence: refused below, on every rank alike
+        given = (given,)
+        refused = ("TypeError", f"rank {me}: placements {given[0]!r} must be a sequence, one "
+                   "per mesh dimension")  # fmt: skip
+    if refused is None:
+        try:
+            placements = normalize_placements(given, local.ndim, mesh.shape, me)
+        except (TypeError, ValueError) as exc:
+            refused = (type(exc).__name__, str(exc))
     # placements travel as their repr: the object collectives carry plain data only
     names = tuple(repr(p) for p in given)
     info = [(me, mesh.coordinate, tuple(local.shape), str(local.dtype), names, refused)]
