@@ -151,6 +151,49 @@ def _batch_sharded_input_and_empty_pieces():
     return True
 
 
+def _features_sharded_output(out_features: int):
+    """A row-parallel layer whose output stays split by features (reduce-scatter of the last
+    dimension): each rank adds its own features' bias."""
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    layer = nn.Linear(4, out_features, dtype=np.float64, rng=12)
+    reference = copy.deepcopy(layer)
+    parallelize_module(
+        layer, mesh, RowwiseParallel(input_layouts=pb_replicate(), output_layouts=Shard(-1))
+    )
+    rng = np.random.default_rng(13)
+    x, g = rng.normal(size=(5, 4)), rng.normal(size=(5, out_features))
+    mine = np.array_split(np.arange(out_features), mesh.size())[mesh.get_local_rank()]
+    np.testing.assert_allclose(layer.forward(x), reference.forward(x)[:, mine], rtol=1e-12)
+    np.testing.assert_allclose(layer.backward(g[:, mine]), reference.backward(g), rtol=1e-10)
+    np.testing.assert_allclose(layer.bias.grad, reference.bias.grad, rtol=1e-12)
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world, out_features", [(2, 4), (2, 2), (3, 4)])
+def test_features_sharded_output_adds_each_rank_its_bias(world, out_features):
+    assert run_ranks(_features_sharded_output, world, args=(out_features,)) == [True] * world
+
+
+def _pieces_not_array_split():
+    mesh = init_device_mesh("cpu", (2,))
+    layer = nn.Linear(4, 5, dtype=np.float64, rng=9)
+    parallelize_module(
+        layer, mesh, ColwiseParallel(input_layouts=Shard(0), output_layouts=pb_replicate())
+    )
+    layer.forward(np.zeros(([1, 4][pb.get_rank()], 4)))  # array_split would be 3, 2
+
+
+@pytest.mark.timeout(60)
+def test_batch_pieces_other_than_array_split_are_refused_on_every_rank():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_pieces_not_array_split, 2)
+    assert sorted(e.rank for e in failed.value.errors) == [0, 1]
+    for e in failed.value.errors:
+        assert e.kind == "ValueError" and "(3, 2) rows for the ranks" in e.message, e.message
+        assert "got (1, 4)" in e.message
+
+
 @pytest.mark.timeout(60)
 def test_batch_sharded_unevenly_and_ranks_without_features():
     assert run_ranks(_batch_sharded_input_and_empty_pieces, 3) == [True] * 3

@@ -46,7 +46,16 @@ def _move(
         if src.dim % len(shape) == len(shape) - 1:
             shape[-1] = features
         elif rows is None:
-            return from_local(array, mesh, [src]).redistribute(placements=[dst]).to_local()
+            dt = from_local(array, mesh, [src])  # the same sizes on every rank: refused alike
+            sizes = dt.layout.sizes[0]
+            if sizes != split_sizes(sum(sizes), len(sizes)):
+                raise ValueError(
+                    f"{_rank_text(mesh)}: a tensor-parallel layer takes an input sharded along "
+                    f"dimension {src.dim} in array_split pieces, which its output and gradient "
+                    f"keep: {split_sizes(sum(sizes), len(sizes))} rows for the ranks of the "
+                    f"mesh, got {sizes}"
+                )
+            return dt.redistribute(placements=[dst]).to_local()
         else:
             shape[src.dim] = rows
     dt = from_local(array, mesh, [src], run_check=False, shape=shape)
@@ -185,7 +194,11 @@ class _RowwiseLinear(Linear):
         self.save_for_backward(input=x)
         y = self._tp_reduce(x @ self.weight.data.T)
         if self.bias is not None:
-            y = y + self.bias.data
+            out = self._tp_output_layout
+            bias = self.bias.data
+            if isinstance(out, Shard) and out.dim % y.ndim == y.ndim - 1:
+                bias = bias[self._tp_output_features]  # the output holds this rank's features
+            y = y + bias
         return y
 
 
@@ -213,6 +226,10 @@ class RowwiseParallel(ParallelStyle):
         module.in_features = int(module.weight.data.shape[1])
         inp, out, features = self.input_layout, self.output_layout, module.out_features
         module.__class__ = _RowwiseLinear
+        sizes = split_sizes(features, mesh.size())
+        start = sum(sizes[: mesh.get_local_rank()])
+        module._tp_output_layout = out
+        module._tp_output_features = slice(start, start + sizes[mesh.get_local_rank()])
 
         def reduce_output(y):
             module._tp_output_shape = y.shape  # for the gradient's sizes
