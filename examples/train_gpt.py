@@ -10,9 +10,9 @@ loss of a unigram model, the baseline to beat) and tokens/s; at the end rank 0 s
 code. After every epoch the ranks save a checkpoint together (``pluribus.checkpoint``);
 ``--resume`` or a restart by ``pluribus-run --max-restarts`` continues from the newest.
 
-``--parallel`` picks how the model is spread over the ranks (``ddp``, or ``fsdp``: each block
-fully sharded; the later layers join this flag), ``--preset`` the model size (``10M`` and
-``100M`` for memory benchmarks).
+``--parallel`` picks how the model is spread over the ranks (``ddp``; ``fsdp``: each block
+fully sharded; ``tp``: each block's heads and MLP split over ``--tp-size`` ranks, data parallel
+over the rest), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks).
 """
 
 from __future__ import annotations
@@ -36,12 +36,18 @@ import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
 from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
-from pluribus.dtensor import DTensor  # noqa: E402
-from pluribus.parallel import DistributedDataParallel, FullyShardedDataParallel  # noqa: E402
+from pluribus.dtensor import DTensor, init_device_mesh  # noqa: E402
+from pluribus.parallel import (  # noqa: E402
+    DistributedDataParallel,
+    FullyShardedDataParallel,
+    full_parameter,
+    parallelize_module,
+    transformer_plan,
+)
 from pluribus.parallel.fsdp import load_optim_state_dict, optim_state_dict  # noqa: E402
 
 VOCAB = 128  # ASCII; any other character reads as "?"
-PARALLEL = ["ddp", "fsdp", "none"]  # pipeline, tensor and their combinations join here
+PARALLEL = ["ddp", "fsdp", "tp", "none"]  # pipeline and the other combinations join here
 HELD_OUT_SEED = 12345  # the held-out windows never depend on --seed
 
 
@@ -55,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="gloo", help="collective backend (default: gloo)")
     parser.add_argument("--parallel", choices=PARALLEL, default="ddp")
+    parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=2,
+        help="with --parallel tp: ranks per tensor-parallel group (the world divided by it "
+        "trains data parallel)",
+    )
     parser.add_argument("--preset", choices=sorted(nn.PRESETS), default="small", help="model size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
@@ -95,7 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "always does); without it a run starts afresh",
     )
     args = parser.parse_args(argv)
-    if args.checkpoint_dir is None:
+    if args.parallel == "tp" and args.checkpoint_dir:
+        parser.error(
+            "--parallel tp writes no checkpoint yet (its parameters are split in pieces that no "
+            "DTensor layout describes); leave --checkpoint-dir out"
+        )
+    if args.checkpoint_dir is None and args.parallel != "tp":
         args.checkpoint_dir = str(default_checkpoint_dir(f"gpt-{args.preset}"))
     return args
 
@@ -153,6 +171,20 @@ def build_model(args: argparse.Namespace) -> nn.GPT:
         model.blocks = nn.Sequential(*[nn.Checkpoint(block) for block in model.blocks])
     model.to(device=args.device, dtype=np.dtype(args.dtype))
     return model
+
+
+def tensor_parallel(model: nn.GPT, args: argparse.Namespace, world: int):
+    """Split every block over ``--tp-size`` ranks on a (dp, tp) mesh, with DDP over its data
+    parallel dimension. Returns the model to train and the data-parallel slice of the mesh."""
+    if world % args.tp_size:
+        raise SystemExit(f"--tp-size {args.tp_size} does not divide the {world} ranks")
+    shape = (world // args.tp_size, args.tp_size)
+    mesh = init_device_mesh(args.device, shape, mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], transformer_plan(model))
+    data = mesh["dp"]
+    if data.size() == 1:
+        return model, data
+    return DistributedDataParallel(model, process_group=data.get_group()), data
 
 
 def make_optimizer(model: nn.Module, args: argparse.Namespace) -> nn.AdamW:
@@ -231,9 +263,10 @@ def _host(array):
 # -- training --------------------------------------------------------------------------------
 
 
-def evaluate(model: nn.GPT, data: np.ndarray, batch_size: int, xp) -> float:
-    """Mean loss over all held-out windows: each rank scores its share, sums are added."""
-    rank, world = pluribus.get_rank(), pluribus.get_world_size()
+def evaluate(model: nn.GPT, data: np.ndarray, batch_size: int, xp, rank: int, world: int) -> float:
+    """Mean loss over all held-out windows: each data-parallel ``rank`` of ``world`` scores its
+    share, and the sums of every rank are added (tensor-parallel ranks each count the same, so
+    the mean is the same)."""
     loss_fn = nn.CrossEntropyLoss()
     model.eval()
     total, count = 0.0, 0
@@ -269,10 +302,14 @@ def train(args: argparse.Namespace) -> dict:
 
     described = repr(model)  # before sharding: fsdp leaves each rank its rows only
     runner = DistributedDataParallel(model) if args.parallel == "ddp" else model
+    data_rank, data_world = rank, world  # the ranks that see different windows
     if args.parallel == "fsdp":  # each block a unit, then the root; the model is sharded in place
         runner = FullyShardedDataParallel(model)
+    if args.parallel == "tp":
+        runner, data = tensor_parallel(model, args, world)
+        data_rank, data_world = data.get_local_rank(), data.size()
     opt = make_optimizer(model, args)
-    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(train_set, data_world, data_rank, shuffle=True, seed=args.seed)
     steps_per_epoch = len(sampler) // args.batch_size
     scheduler = nn.LambdaLR(
         opt, warmup_then_cosine(args.warmup_steps, args.epochs * steps_per_epoch)
@@ -300,7 +337,7 @@ def train(args: argparse.Namespace) -> dict:
             print(f"resuming from {where} at epoch {start_epoch} (restart {restarts})", flush=True)
 
     history: dict = {"losses": [], "held_out": [], "tokens_per_s": []}
-    tokens_per_step = world * args.batch_size * block
+    tokens_per_step = data_world * args.batch_size * block
     stop = args.epochs if args.epochs_this_run is None else start_epoch + args.epochs_this_run
     for epoch in range(start_epoch, min(stop, args.epochs)):
         sampler.set_epoch(epoch)
@@ -320,7 +357,7 @@ def train(args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - started
         mean_loss = np.array([np.mean(epoch_losses)], dtype=np.float64)
         pluribus.all_reduce(mean_loss, op=pluribus.ReduceOp.AVG)
-        held = evaluate(model, held_out, args.batch_size, xp)
+        held = evaluate(model, held_out, args.batch_size, xp, data_rank, data_world)
         rate = steps_per_epoch * tokens_per_step / elapsed
         history["losses"] += epoch_losses
         history["held_out"].append(held)
@@ -334,10 +371,12 @@ def train(args: argparse.Namespace) -> dict:
         if ckpt is not None:  # every rank takes part
             ckpt.save(epoch + 1, checkpoint_state(state_of, opt, scheduler, epoch + 1, sharded))
     if not history["held_out"]:  # nothing left to train: report the restored model
-        history["held_out"].append(evaluate(model, held_out, args.batch_size, xp))
+        history["held_out"].append(
+            evaluate(model, held_out, args.batch_size, xp, data_rank, data_world)
+        )
     sample = ""
-    # under fsdp every rank runs the forwards (each gathers its share of the parameters)
-    if args.sample_chars and (rank == 0 or args.parallel == "fsdp"):
+    # under fsdp and tp every rank runs the forwards (they gather parameters or activations)
+    if args.sample_chars and (rank == 0 or args.parallel in ("fsdp", "tp")):
         prompt = xp.asarray(encode("def ")[None, :].astype(np.int64))
         generated = model.generate(prompt, args.sample_chars, temperature=0.8, rng=args.seed)
         sample = decode(_host(generated[0])) if rank == 0 else ""
@@ -348,13 +387,17 @@ def train(args: argparse.Namespace) -> dict:
         "baseline": baseline,
         "start_epoch": start_epoch,
         "sample": sample,
-        "state": {
-            k: _host(v)
-            for k, v in (
-                runner.full_state_dict() if args.parallel == "fsdp" else model.state_dict()
-            ).items()
-        },
+        "state": {k: _host(v) for k, v in whole_state(model, runner, args.parallel).items()},
     }
+
+
+def whole_state(model: nn.GPT, runner, parallel: str) -> dict:
+    """The model's whole parameters: fsdp gathers them on rank 0, tp on every rank."""
+    if parallel == "fsdp":
+        return runner.full_state_dict()
+    if parallel == "tp":
+        return {name: full_parameter(p) for name, p in model.named_parameters()}
+    return model.state_dict()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,3 +49,29 @@ def test_the_default_checkpoint_folder_is_the_users_cache(monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
     args = train_gpt.parse_args(["--preset", "10M"])
     assert Path(args.checkpoint_dir) == Path("/somewhere/cache/pluribus/checkpoints/gpt-10M")
+
+
+def _parallel_args(parallel):
+    small = ["--preset", "tiny", "--train-windows", 128, "--eval-windows", 16, "--epochs", 1]
+    small += ["--batch-size", 8, "--lr", 1e-2, "--warmup-steps", 2, "--sample-chars", 10]
+    return train_gpt.parse_args(["--checkpoint-dir", "", "--parallel", parallel, *map(str, small)])
+
+
+def test_gpt_example_split_by_tensor_parallelism_trains_the_ddp_model():
+    """Four ranks as 2 (data) x 2 (tensor): each pair of tensor-parallel ranks sees what one
+    DDP rank sees, and together they train the same model."""
+    ddp = run_ranks(train_gpt.train, 2, "threads", args=(_parallel_args("ddp"),))
+    tp = run_ranks(train_gpt.train, 4, "threads", args=(_parallel_args("tp"),))
+    for r in range(4):
+        np.testing.assert_allclose(tp[r]["losses"], ddp[r // 2]["losses"], rtol=1e-4)
+        assert tp[r]["held_out"] == pytest.approx(ddp[0]["held_out"], rel=1e-4)
+        assert tp[r]["sample"].startswith("def ") if r == 0 else tp[r]["sample"] == ""
+        for name, value in ddp[0]["state"].items():
+            np.testing.assert_allclose(tp[r]["state"][name], value, rtol=1e-3, atol=1e-5)
+
+
+def test_gpt_example_refuses_what_tensor_parallelism_cannot_do_yet(capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--parallel", "tp", "--checkpoint-dir", "somewhere"])
+    assert "--parallel tp writes no checkpoint yet" in capsys.readouterr().err
+    assert not train_gpt.parse_args(["--parallel", "tp"]).checkpoint_dir
