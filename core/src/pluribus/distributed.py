@@ -415,8 +415,10 @@ def new_group(
 # -- argument checks ------------------------------------------------------------------------------
 
 
-def _check_same(array: Any, other: Any, what: str, rank: int) -> None:
-    check_array(other, what, rank)
+def _check_same(array: Any, other: Any, what: str, rank: int, writable: bool = True) -> None:
+    """``other`` a valid array (written to, unless not ``writable``) of ``array``'s dtype and
+    device."""
+    check_array(other, what, rank, writable)
     if type(other) is type(array) and other.dtype is array.dtype:
         return  # one type: one device; one dtype object: one dtype
     if np.dtype(other.dtype) != np.dtype(array.dtype):
@@ -716,7 +718,7 @@ def all_gather(
     g = _group(group)
     check_array(array, "array", g.global_rank, writable=False)
     _carrier(g, array)
-    outputs = _per_rank(g, "all_gather", array, output, "output", "input")
+    outputs = _per_rank(g, "all_gather", array, output, "output", "input", written=True)
     device = device_of(array)
     if not async_op:
         _remember(g, "all_gather", array, None, device)
@@ -746,7 +748,7 @@ def reduce_scatter(
             return None
     g = _group(group)
     device = _check_reduction(g, output, op, "output")
-    inputs = _per_rank(g, "reduce_scatter", output, input, "input", "output")
+    inputs = _per_rank(g, "reduce_scatter", output, input, "input", "output", written=False)
     if not async_op:
         _remember(g, "reduce_scatter", output, op, device)
     return _issue(g, "reduce_scatter", device, async_op, output, inputs, op)
@@ -755,10 +757,13 @@ def reduce_scatter(
 reduce_scatter_tensor = reduce_scatter
 
 
-def _per_rank(g: ProcessGroup, call: str, piece: Any, whole: Any, what: str, piece_what: str):
-    """``whole`` (all-gather's output, reduce-scatter's input) as one array per rank, checked
-    against this rank's ``piece``: a list of one array per rank, this rank's of ``piece``'s
-    size, or one array of ``size`` times ``piece``'s elements, split."""
+def _per_rank(
+    g: ProcessGroup, call: str, piece: Any, whole: Any, what: str, piece_what: str, written: bool
+):
+    """``whole`` (all-gather's output, ``written``; reduce-scatter's input, only read, so it may
+    be read-only) as one array per rank, checked against this rank's ``piece``: a list of one
+    array per rank, this rank's of ``piece``'s size, or one array of ``size`` times ``piece``'s
+    elements, split."""
     r = g.global_rank
     if isinstance(whole, (list, tuple)):
         blocks = list(whole)
@@ -768,14 +773,14 @@ def _per_rank(g: ProcessGroup, call: str, piece: Any, whole: Any, what: str, pie
                 f"the group has {g.size} ranks"
             )
         for i, block in enumerate(blocks):
-            _check_same(piece, block, f"{what}[{i}]", r)
+            _check_same(piece, block, f"{what}[{i}]", r, written)
         if blocks[g.rank].size != piece.size:
             raise ValueError(
                 f"rank {r}: {what}[{g.rank}] has {blocks[g.rank].size} elements, this rank's "
                 f"{piece_what} {piece.size}"
             )
         return blocks
-    _check_same(piece, whole, what, r)
+    _check_same(piece, whole, what, r, written)
     if whole.size != piece.size * g.size:
         raise ValueError(
             f"rank {r}: {call} {what} has {whole.size} elements, expected "
@@ -842,7 +847,7 @@ def all_to_all(
     check_array(inputs[0], "inputs[0]", r, writable=False)
     _carrier(g, inputs[0])
     for i in range(g.size):
-        _check_same(inputs[0], inputs[i], f"inputs[{i}]", r)
+        _check_same(inputs[0], inputs[i], f"inputs[{i}]", r, writable=False)
         _check_same(inputs[0], outputs[i], f"outputs[{i}]", r)
     if outputs[g.rank].size != inputs[g.rank].size:
         raise ValueError(f"rank {r}: outputs[{g.rank}] and inputs[{g.rank}] differ in size")
