@@ -335,6 +335,36 @@ def test_reductions_and_scalar_operations_give_what_numpy_gives():
     assert run_ranks(_reductions_like_numpy_body, 2, timeout=40) == [True, True]
 
 
+def _donating_the_source_of_a_pending_redistribute_body():
+    """A pending redistribute on one mesh dimension's group reads its source's piece in the
+    background; donating the source to a redistribute on the other dimension's group (which
+    nothing orders after the first) must wait for it, not write the piece under it."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    reference = np.arange(1 << 20, dtype=np.float64) % 97
+    waited = []
+    for _ in range(8):
+        x = distribute_tensor(reference, mesh, [Partial(), Partial()])
+        y = x.redistribute(placements=[Replicate(), Partial()], async_op=True)
+        work = y._pending[0]
+        wait = work.wait
+        work.wait = lambda *a, wait=wait, **k: waited.append(True) or wait(*a, **k)
+        z = x.redistribute(placements=[Partial(), Replicate()], donate=True)
+        assert waited, "the donation did not wait for the pending read of its piece"
+        np.testing.assert_array_equal(y.full_tensor(), reference)
+        np.testing.assert_array_equal(z.full_tensor(), reference)
+        waited.clear()
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_donating_the_source_of_a_pending_redistribute_waits_for_it(backend):
+    if backend == "gloo":
+        pytest.importorskip("pluribus_gloo")
+    body = _donating_the_source_of_a_pending_redistribute_body
+    assert run_ranks(body, 4, backend=backend, timeout=100) == [True] * 4
+
+
 def test_placements_and_layouts_are_interned_values():
     """Equal placements and layouts are one object (the plan cache hashes by identity), and
     stay so through copies and pickles; they cannot be changed in place."""

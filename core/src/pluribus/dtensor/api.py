@@ -30,7 +30,7 @@ def _rank() -> int:
 class DTensor:
     """A global ``shape``-d array distributed over ``device_mesh`` by ``placements``."""
 
-    __slots__ = ("_local", "_mesh", "_layout", "_pending", "__weakref__")
+    __slots__ = ("_local", "_mesh", "_layout", "_pending", "_readers", "__weakref__")
     __array_priority__ = 100  # numpy scalars and arrays defer to our operators
 
     def __init__(self, local: Any, mesh: DeviceMesh, layout: Layout, _pending=None):
@@ -43,6 +43,9 @@ class DTensor:
         self._mesh = mesh
         self._layout = layout
         self._pending = _pending
+        # works of asynchronous redistributes that may still read the piece: a donation of this
+        # DTensor (the one thing that writes a piece) waits for them
+        self._readers: list | None = None
 
     # -- what it is -------------------------------------------------------------------------
 
@@ -205,6 +208,8 @@ class DTensor:
             plan, run = self._runnable(placements, donate)
             if run is None:
                 return self._unmoved(local, donate)
+        if donate and self._readers is not None:
+            self._wait_for_readers()
         if not async_op:
             piece = run(local, False)
             if donate:
@@ -213,14 +218,24 @@ class DTensor:
             made._local = piece
             made._mesh = self._mesh
             made._layout = plan.dst
-            made._pending = None
+            made._pending = made._readers = None
             return made
         work, out, post = run(local, True)
         if donate:
             self._local = None
         if work is None:
             return DTensor(out if post is None else post(out), self._mesh, plan.dst)
+        if not donate:  # the collective may read this piece until it is done
+            readers = [w for w in self._readers or () if not w.is_completed()]
+            self._readers = [*readers, work]
         return DTensor(None, self._mesh, plan.dst, (work, out, post))
+
+    def _wait_for_readers(self) -> None:
+        """Before a donation writes the piece: finish the asynchronous redistributes that read
+        it (they run on other groups, which nothing else orders after them)."""
+        for work in self._readers:
+            work.wait()
+        self._readers = None
 
     def _unmoved(self, local: Any, donate: bool) -> DTensor:
         """A redistribute with nothing to do: this DTensor itself (torch's rule), not a second
@@ -229,7 +244,9 @@ class DTensor:
         if not donate:
             return self
         self._local = None
-        return DTensor(local, self._mesh, self._layout)
+        moved = DTensor(local, self._mesh, self._layout)
+        moved._readers, self._readers = self._readers, None
+        return moved
 
     # -- operators (pluribus.dtensor.ops) ---------------------------------------------------
 
