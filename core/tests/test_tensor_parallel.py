@@ -286,3 +286,33 @@ def _gpt_sequence_parallel(counting: CountingPlugin, tokens: int):
 @pytest.mark.parametrize("world, tokens", [(2, 8), (4, 8), (4, 7)])  # 7 over 4: 2, 2, 2, 1
 def test_sequence_parallel_gpt_equals_the_gpt(world, tokens, counting):
     assert run_ranks(_gpt_sequence_parallel, world, args=(counting, tokens)) == [True] * world
+
+
+def _dropout_masks(sequence_parallel: bool):
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    config = nn.GPTConfig(vocab_size=32, n_layer=1, n_head=4, n_embd=16, block_size=8, dropout=0.5)
+    model = nn.GPT(config, dtype=np.float64, rng=0)
+    parallelize_module(model, mesh, transformer_plan(model, sequence_parallel=sequence_parallel))
+    out = model.forward(np.random.default_rng(1).integers(0, 32, size=(2, 8)))
+    block = model.blocks[0]
+    masks = {
+        "attn": block.attn.attn_dropout.saved("mask"),
+        "resid": block.attn.resid_dropout.saved("mask"),
+        "mlp": block.mlp[-1].saved("mask"),
+    }
+    return out, masks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_dropout_draws_its_own_masks_where_the_ranks_hold_different_parts(sequence_parallel):
+    """Attention dropout drops this rank's heads, so each rank draws its own mask (one seed
+    would repeat one pattern over the heads); dropout of replicated activations draws the same
+    mask everywhere, so the copies stay equal; of a sequence part, each rank its own."""
+    (out0, first), (out1, second) = run_ranks(_dropout_masks, 2, args=(sequence_parallel,))
+    assert first["attn"].shape == second["attn"].shape
+    assert not np.array_equal(first["attn"], second["attn"])
+    for name in ("resid", "mlp"):
+        same = first[name].shape == second[name].shape and np.array_equal(first[name], second[name])
+        assert same != sequence_parallel, name
+    np.testing.assert_array_equal(out0, out1)  # the model's output is replicated either way

@@ -14,11 +14,13 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+import numpy as np
+
 from .. import distributed as dist
 from ..dtensor import Partial, Placement, Replicate, Shard, from_local
 from ..dtensor.layout import split_sizes
 from ..mesh import DeviceMesh
-from ..nn.layers import Linear
+from ..nn.layers import Dropout, Linear
 from ..nn.module import Module, Parameter, array_namespace
 from ..nn.transformer import CausalSelfAttention
 
@@ -87,6 +89,17 @@ def _shard_parameter(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int =
     param.tp_layout = (mesh, dim, chunks, tuple(param.data.shape))
     param.data = _piece(param.data, dim, mesh, chunks)
     param.grad = None
+
+
+def _own_stream(module: Module, mesh: DeviceMesh) -> None:
+    """Give a seeded :class:`Dropout` a random stream of this tensor-parallel rank's own: it
+    drops elements of a part that differs between the ranks (heads, hidden features, a sequence
+    chunk), which one seed on every rank would drop in one pattern (Megatron's model-parallel
+    RNG). Dropout of replicated activations keeps the shared seed, so the copies stay equal."""
+    if isinstance(module, Dropout) and module.seed is not None:
+        entropy = np.random.SeedSequence([int(module.seed), mesh.get_local_rank()])
+        module.seed = int(entropy.generate_state(1)[0])
+        module._rngs = {}
 
 
 def full_parameter(param: Parameter, grad: bool = False) -> Any:
@@ -284,6 +297,9 @@ class AttentionParallel(ParallelStyle):
             style.apply(linear, mesh)
         outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)
         RowwiseParallel(output_layouts=outer).apply(module.proj, mesh)
+        _own_stream(module.attn_dropout, mesh)  # this rank's heads
+        if outer != Replicate():  # this rank's part of the sequence
+            _own_stream(module.resid_dropout, mesh)
         module.num_heads //= tp
         features = module.embed_dim
         if outer != Replicate():
@@ -314,6 +330,11 @@ class MLPParallel(ParallelStyle):
         outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)
         ColwiseParallel(input_layouts=outer).apply(linears[0], mesh)
         RowwiseParallel(output_layouts=outer).apply(linears[1], mesh)
+        children = list(module.children())
+        first, last = children.index(linears[0]), children.index(linears[1])
+        for k, child in enumerate(children):  # this rank's hidden features; its sequence part
+            if first < k < last or (k > last and outer != Replicate()):
+                _own_stream(child, mesh)
         return module
 
 
