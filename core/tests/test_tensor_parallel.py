@@ -316,3 +316,33 @@ def test_dropout_draws_its_own_masks_where_the_ranks_hold_different_parts(sequen
         same = first[name].shape == second[name].shape and np.array_equal(first[name], second[name])
         assert same != sequence_parallel, name
     np.testing.assert_array_equal(out0, out1)  # the model's output is replicated either way
+
+
+def _misapplied_styles():
+    from pluribus.parallel import MLPParallel, SequenceParallel, SequenceSharded
+
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    errors = []
+    norm = nn.LayerNorm(8)
+    stack = nn.Sequential(nn.Linear(8, 8, rng=0))
+    attention = nn.CausalSelfAttention(8, 2, rng=0)  # two Linears, fused: not an MLP
+    for apply in (
+        lambda: parallelize_module(norm, mesh, SequenceParallel()),
+        lambda: parallelize_module(stack, mesh, SequenceSharded(0)),
+        lambda: parallelize_module(attention, mesh, MLPParallel()),
+    ):
+        for _ in range(2):
+            try:
+                apply()
+            except (ValueError, TypeError) as error:
+                errors.append(str(error))
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_styles_applied_twice_or_to_the_wrong_module_are_refused_when_applied():
+    for errors in run_ranks(_misapplied_styles, 2):
+        assert len(errors) == 4, errors  # each style once, then refused; the MLP both times
+        assert "SequenceParallel is already applied" in errors[0]
+        assert "SequenceSharded is already applied" in errors[1]
+        assert all("MLPParallel needs a Sequential" in e for e in errors[2:])

@@ -21,7 +21,7 @@ from ..dtensor import Partial, Placement, Replicate, Shard, from_local
 from ..dtensor.layout import split_sizes
 from ..mesh import DeviceMesh
 from ..nn.layers import Dropout, Linear
-from ..nn.module import Module, Parameter, array_namespace
+from ..nn.module import Module, Parameter, Sequential, array_namespace
 from ..nn.transformer import CausalSelfAttention
 
 
@@ -100,6 +100,14 @@ def _own_stream(module: Module, mesh: DeviceMesh) -> None:
         entropy = np.random.SeedSequence([int(module.seed), mesh.get_local_rank()])
         module.seed = int(entropy.generate_state(1)[0])
         module._rngs = {}
+
+
+def _mark_once(module: Module, mesh: DeviceMesh, style: str) -> None:
+    """Refuse ``style`` on a module it was applied to before (its hooks would run twice)."""
+    styles = module.__dict__.setdefault("_tp_styles", set())
+    if style in styles:
+        raise ValueError(f"{_rank_text(mesh)}: {style} is already applied to {module!r}")
+    styles.add(style)
 
 
 def full_parameter(param: Parameter, grad: bool = False) -> Any:
@@ -322,7 +330,7 @@ class MLPParallel(ParallelStyle):
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         linears = [m for m in module.children() if isinstance(m, Linear)]
-        if len(linears) != 2:
+        if not isinstance(module, Sequential) or len(linears) != 2:
             raise TypeError(
                 f"{_rank_text(mesh)}: MLPParallel needs a Sequential with two Linear layers, "
                 f"got {module!r}"
@@ -344,6 +352,7 @@ class SequenceParallel(ParallelStyle):
     (one small all-reduce) before it reaches ``.grad``, so every rank holds the whole one."""
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        _mark_once(module, mesh, "SequenceParallel")
         for _, param in module.named_parameters():
 
             def accumulate(grad: Any, param: Parameter = param) -> None:
@@ -363,6 +372,7 @@ class SequenceSharded(ParallelStyle):
         self.dim = dim
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        _mark_once(module, mesh, "SequenceSharded")
         part, rows = Shard(self.dim), {}
 
         def whole(x: Any, m=mesh) -> Any:  # the sizes mine() cut
