@@ -168,6 +168,30 @@ def test_bad_input_at_save_fails_every_rank_and_leaves_the_previous_checkpoint(s
     assert run_ranks(_load_into, 2, args=(saved,))[0]["step"] == 1234
 
 
+def _load_into_partial_and_scalar(path):
+    """A Partial DTensor cannot take a value (each rank holds a term); a 0-d DTensor made by an
+    operation (numpy gives a scalar there) is filled in place, and stays a DTensor."""
+    mesh = init_device_mesh("cpu", (2,))
+    checkpoint.save({"x": np.arange(4.0), "scale": np.array(2.5)}, path)
+    state = {"x": distribute_tensor(np.zeros(4), mesh, [Partial()])}
+    try:
+        checkpoint.load(state, path, strict=False)
+    except CheckpointError as error:
+        refused = str(error)
+    scale = distribute_tensor(np.array(1.0), mesh) * 2.0
+    state = {"scale": scale}
+    checkpoint.load(state, path, strict=False)
+    assert state["scale"] is scale and scale.full_tensor() == 2.5
+    return refused
+
+
+def test_a_partial_dtensor_is_refused_at_load_and_a_0d_one_is_filled_in_place(tmp_path):
+    path = str(tmp_path / "c")
+    for refused in run_ranks(_load_into_partial_and_scalar, 2, args=(path,)):
+        assert "is a DTensor with placements [Partial()]" in refused
+        assert "load into a Replicate (or Shard) DTensor" in refused
+
+
 def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path):
     """RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG, as a full disk fails them."""
     path = str(tmp_path / "c")

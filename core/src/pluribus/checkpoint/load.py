@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import distributed as dist
+from ..dtensor import Partial
 from . import commit
 from .checksums import aligned, first_bad_block
 from .errors import CheckpointError
@@ -43,6 +44,12 @@ class Destination:
 def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
     value = leaf.value
     if leaf.kind == DTENSOR:
+        if any(isinstance(p, Partial) for p in value.placements):
+            raise ValueError(
+                f"rank {rank}: state dict entry {leaf.key!r} is a DTensor with placements "
+                f"{list(value.placements)}; a Partial tensor holds terms, not the value, so a "
+                "load cannot fill it: load into a Replicate (or Shard) DTensor"
+            )
         local, box, shape = value.to_local(), dtensor_box(value), value.shape
     else:
         local, shape = value, tuple(np.shape(value))

@@ -37,7 +37,9 @@ class DTensor:
         # Every piece is C-contiguous (a strided one, such as a transpose's, is copied here),
         # so that each rank can hand its piece to any collective as it is: a rank whose piece
         # a collective refused would leave the others waiting in it.
-        if local is not None and not local.flags.c_contiguous:
+        if isinstance(local, np.generic):  # numpy's 0-d results are scalars; a piece is an array
+            local = np.asarray(local)
+        elif local is not None and not local.flags.c_contiguous:
             local = array_namespace(local).ascontiguousarray(local)
         self._local = local
         self._mesh = mesh
