@@ -353,6 +353,15 @@ def _donating_the_source_of_a_pending_redistribute_body():
         np.testing.assert_array_equal(y.full_tensor(), reference)
         np.testing.assert_array_equal(z.full_tensor(), reference)
         waited.clear()
+    # a write in place (as checkpoint.load makes) through local_to_write waits the same way
+    x = distribute_tensor(reference, mesh, [Partial(), Partial()])
+    y = x.redistribute(placements=[Replicate(), Partial()], async_op=True)
+    work = y._pending[0]
+    wait = work.wait
+    work.wait = lambda *a, wait=wait, **k: waited.append(True) or wait(*a, **k)
+    x.local_to_write()[...] = -1
+    assert waited, "local_to_write did not wait for the pending read of the piece"
+    np.testing.assert_array_equal(y.full_tensor(), reference)
     return True
 
 

@@ -50,7 +50,7 @@ def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
                 f"{list(value.placements)}; a Partial tensor holds terms, not the value, so a "
                 "load cannot fill it: load into a Replicate (or Shard) DTensor"
             )
-        local, box, shape = value.to_local(), dtensor_box(value), value.shape
+        local, box, shape = value.local_to_write(), dtensor_box(value), value.shape
     else:
         local, shape = value, tuple(np.shape(value))
         box = ((0,) * len(shape), shape)

@@ -46,7 +46,7 @@ class DTensor:
         self._layout = layout
         self._pending = _pending
         # works of asynchronous redistributes that may still read the piece: a donation of this
-        # DTensor (the one thing that writes a piece) waits for them
+        # DTensor, or a load into it (local_to_write), waits for them
         self._readers: list | None = None
 
     # -- what it is -------------------------------------------------------------------------
@@ -238,6 +238,14 @@ class DTensor:
         for work in self._readers:
             work.wait()
         self._readers = None
+
+    def local_to_write(self) -> Any:
+        """This rank's piece, for a caller about to write it in place (``checkpoint.load``):
+        after the asynchronous redistributes that still read it have finished."""
+        local = self.to_local()
+        if self._readers is not None:
+            self._wait_for_readers()
+        return local
 
     def _unmoved(self, local: Any, donate: bool) -> DTensor:
         """A redistribute with nothing to do: this DTensor itself (torch's rule), not a second
