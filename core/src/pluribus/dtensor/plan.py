@@ -113,6 +113,16 @@ def _volume(layout: Layout, coordinate, itemsize: int) -> int:
     return math.prod(layout.local_shape(coordinate)) * itemsize
 
 
+def _largest(layout: Layout) -> int:
+    """Elements of the largest piece any rank holds: the same on every rank, so that every
+    rank orders the steps alike."""
+    shape = list(layout.shape)
+    for m, p in enumerate(layout.placements):
+        if isinstance(p, Shard):
+            shape[p.dim] = max(layout.sizes[m], default=0)
+    return math.prod(shape)
+
+
 def _kind(src: Placement, dst: Placement) -> str:
     if isinstance(src, Shard):
         return "all_to_all" if isinstance(dst, Shard) else "all_gather"
@@ -219,9 +229,16 @@ def make_plan(
             target = dst.placements[m]
             if isinstance(target, Shard) and sharded_elsewhere(target.dim, m):
                 continue
-            ready.append((_ORDER[_kind(state.placements[m], target)], m))
-        if not ready:  # mesh dimensions trading tensor dimensions: gather one first
-            m = min(pending)
+            kind = _kind(state.placements[m], target)
+            order = _ORDER[kind]
+            if kind == "all_to_all":  # one that shrinks the pieces runs with the shrinking steps
+                after = state.with_placement(m, target, dst.sizes[m])
+                if _largest(after) < _largest(state):
+                    order = _ORDER["reduce_scatter"]
+            ready.append((order, m))
+        if not ready:  # mesh dimensions trading tensor dimensions: gather one first, the one
+            # with the smallest group (the piece grows by its size)
+            m = min(pending, key=lambda k: (mesh_shape[k], k))
             add(m, Replicate(), None)
             continue
         _, m = min(ready)
