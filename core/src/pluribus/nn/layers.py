@@ -188,6 +188,11 @@ class Dropout(Module):
         self.release_saved(recurse=False)
         return grad_output if mask is None else grad_output * mask
 
+    def reseed(self, seed: int) -> None:
+        """Draw the masks from ``seed``'s stream from now on (tensor parallelism gives each
+        rank one of its own where the ranks hold different parts)."""
+        self.seed, self._rngs = seed, {}
+
     def get_rng_state(self) -> Any:
         """A copy of the random state, so a recomputed forward draws the same mask."""
         try:

@@ -98,8 +98,7 @@ def _own_stream(module: Module, mesh: DeviceMesh) -> None:
     RNG). Dropout of replicated activations keeps the shared seed, so the copies stay equal."""
     if isinstance(module, Dropout) and module.seed is not None:
         entropy = np.random.SeedSequence([int(module.seed), mesh.get_local_rank()])
-        module.seed = int(entropy.generate_state(1)[0])
-        module._rngs = {}
+        module.reseed(int(entropy.generate_state(1)[0]))
 
 
 def _mark_once(module: Module, mesh: DeviceMesh, style: str) -> None:
@@ -247,10 +246,10 @@ class RowwiseParallel(ParallelStyle):
         module.in_features = int(module.weight.data.shape[1])
         inp, out, features = self.input_layout, self.output_layout, module.out_features
         module.__class__ = _RowwiseLinear
-        sizes = split_sizes(features, mesh.size())
-        start = sum(sizes[: mesh.get_local_rank()])
+        sizes, me = split_sizes(features, mesh.size()), mesh.get_local_rank()
+        start = sum(sizes[:me])
         module._tp_output_layout = out
-        module._tp_output_features = slice(start, start + sizes[mesh.get_local_rank()])
+        module._tp_output_features = slice(start, start + sizes[me])
 
         def reduce_output(y):
             module._tp_output_shape = y.shape  # for the gradient's sizes
