@@ -16,6 +16,8 @@ from pluribus.dtensor import (
     init_device_mesh,
     redistribute_plan,
 )
+from pluribus.dtensor.layout import default_layout
+from pluribus.dtensor.plan import CostModel, make_plan
 from pluribus.mesh import DeviceMesh
 from pluribus.testing import RanksFailed, run_ranks
 
@@ -171,6 +173,20 @@ def test_plans_take_the_cheaper_order():
     assert run_ranks(_cheapest_order_body, 8) == [True] * 8
 
 
+def test_an_uneven_collective_is_predicted_by_its_largest_piece():
+    """A ring step of an all-gather or reduce-scatter waits for the largest piece: 5 rows over
+    4 ranks (2, 1, 1, 1) cost what 8 rows (2 each) cost, not 5/8 of it."""
+    cost, row = CostModel(alpha=1e-6, beta=1e-9), 256 * 4
+    for rows in (5, 8):
+        sharded = default_layout((rows, 256), (Shard(0),), (4,))
+        whole = default_layout((rows, 256), (Replicate(),), (4,))
+        partial = default_layout((rows, 256), (Partial(),), (4,))
+        for src, dst in ((sharded, whole), (partial, sharded)):
+            for coordinate in range(4):
+                (step,) = make_plan(src, dst, (4,), (coordinate,), 4, cost).steps
+                assert step.seconds == pytest.approx(3 * (1e-6 + 2 * row * 1e-9)), (rows, step)
+
+
 def _last_plan_body():
     rank = pb.get_rank()
     mesh = init_device_mesh("cpu", (2,))
@@ -239,6 +255,14 @@ def _errors(case):
         init_device_mesh("cpu", (3,))
     elif case == "partial":
         distribute_tensor(x, mesh, [Partial()]) + 1.0
+    elif case == "avg of ints":  # an average of integers is no integer
+        distribute_tensor(np.arange(4), mesh, [Partial("avg")])
+    elif case == "from_local avg of ints":
+        from_local(np.arange(4), mesh, [Partial("avg")])
+    elif case == "redistribute to avg of ints":
+        distribute_tensor(np.arange(4), mesh, [Replicate()]).redistribute(
+            placements=[Partial("avg")]
+        )
     return True
 
 
@@ -256,6 +280,9 @@ def _errors(case):
         ("not in mesh", [0, 1], "must hold every rank of the world 0..1"),
         ("mesh shape", [0, 1], r"mesh shape \(3,\) holds 3 ranks but the world has 2"),
         ("partial", [0, 1], "would change the reduced value; redistribute to Replicate"),
+        ("avg of ints", [0, 1], r"AVG needs a floating-point array, got int64; .*Partial\('avg'\)"),
+        ("from_local avg of ints", [0, 1], r"AVG needs a floating-point array.*mesh dimension 0"),
+        ("redistribute to avg of ints", [0, 1], "AVG needs a floating-point array, got int64"),
     ],
 )
 def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, counting):
@@ -268,7 +295,7 @@ def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, cou
         assert sent == [], "nothing may be sent before the error"
     assert sorted(e.rank for e in failed.value.errors) == ranks
     for e in failed.value.errors:
-        assert e.kind == "ValueError"
+        assert e.kind == ("TypeError" if "avg of ints" in case else "ValueError")
         assert f"rank {e.rank}:" in e.message
         import re
 

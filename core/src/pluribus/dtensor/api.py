@@ -144,7 +144,7 @@ class DTensor:
         key = (self._layout, placements, type(local), local.dtype, donate)
         entry = mesh.plan_cache.get(key)
         if entry is None:
-            targets = normalize_placements(placements, self.ndim, mesh.shape, _rank())
+            targets = normalize_placements(placements, self.ndim, mesh.shape, _rank(), local.dtype)
             dst = default_layout(self.shape, targets, mesh.shape)
             itemsize = np.dtype(local.dtype).itemsize
             plan = make_plan(
@@ -325,7 +325,7 @@ def distribute_tensor(
     mesh = device_mesh
     if placements is None:
         placements = (Replicate(),) * mesh.ndim
-    targets = normalize_placements(placements, tensor.ndim, mesh.shape, _rank())
+    targets = normalize_placements(placements, tensor.ndim, mesh.shape, _rank(), tensor.dtype)
     layout = default_layout(tuple(tensor.shape), targets, mesh.shape)
     xp = array_namespace(tensor)
     piece = tensor[layout.local_slices(mesh.coordinate)]  # numpy: a 0-d array's is a scalar
@@ -358,7 +358,7 @@ def from_local(
     if run_check:
         layout = _checked_layout(local, mesh, placements, shape)
     else:
-        targets = normalize_placements(placements, local.ndim, mesh.shape, rank)
+        targets = normalize_placements(placements, local.ndim, mesh.shape, rank, local.dtype)
         if shape is None:
             shape = list(local.shape)
             for m, p in enumerate(targets):
@@ -390,7 +390,7 @@ def _checked_layout(local, mesh: DeviceMesh, given, shape) -> Layout:
                    "per mesh dimension")  # fmt: skip
     if refused is None:
         try:
-            placements = normalize_placements(given, local.ndim, mesh.shape, me)
+            placements = normalize_placements(given, local.ndim, mesh.shape, me, local.dtype)
         except (TypeError, ValueError) as exc:
             refused = (type(exc).__name__, str(exc))
     # placements travel as their repr: the object collectives carry plain data only

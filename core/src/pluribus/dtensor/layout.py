@@ -9,7 +9,9 @@ The sizes are data, never guessed from the local shapes of other ranks: by defau
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from ..arrays import check_op
 from .placements import Partial, Placement, Replicate, Shard
 
 
@@ -88,10 +90,15 @@ class Layout:
 
 
 def normalize_placements(
-    placements: Sequence[Placement], ndim: int, mesh_shape: tuple[int, ...], rank: int
+    placements: Sequence[Placement],
+    ndim: int,
+    mesh_shape: tuple[int, ...],
+    rank: int,
+    dtype: Any = None,
 ) -> tuple[Placement, ...]:
-    """Check ``placements`` against the mesh and the tensor; turn ``Shard(-1)`` into
-    ``Shard(ndim - 1)``."""
+    """Check ``placements`` against the mesh and the tensor (and each ``Partial`` against the
+    ``dtype`` of its terms: the collective that finishes it must accept them); turn
+    ``Shard(-1)`` into ``Shard(ndim - 1)``."""
     placements = tuple(placements)
     if len(placements) != len(mesh_shape):
         raise ValueError(
@@ -124,6 +131,12 @@ def normalize_placements(
             f"rank {rank}: placements {list(out)} mix Partial ops {sorted(ops)} whose order of "
             "reduction matters; reduce one (redistribute it to Replicate) first"
         )
+    for m, p in enumerate(out):
+        if dtype is not None and isinstance(p, Partial):
+            try:
+                check_op(p.reduce_op, dtype, rank)
+            except TypeError as exc:
+                raise TypeError(f"{exc} ({p!r} on mesh dimension {m})") from None
     return tuple(out)
 
 

@@ -134,14 +134,22 @@ def _kind(src: Placement, dst: Placement) -> str:
 
 
 def _ring_seconds(kind: str, p: int, nbytes: int, cost: CostModel) -> float:
-    """alpha-beta time of a ring collective over ``p`` ranks moving ``nbytes`` (the largest
-    per-rank whole: gathered output, reduced input, or all-to-all input)."""
+    """alpha-beta time of a ring collective over ``p`` ranks: an all-reduce of ``nbytes``, or
+    an all-gather, reduce-scatter or all-to-all whose largest piece (what every one of its
+    ``p - 1`` steps waits for) is ``nbytes``."""
     if kind.endswith("_local") or p == 1:
         return 0.0
-    share = (p - 1) / p * nbytes
     if kind == "all_reduce":
-        return 2 * (p - 1) * cost.alpha + 2 * share * cost.beta
-    return (p - 1) * cost.alpha + share * cost.beta
+        return 2 * (p - 1) * cost.alpha + 2 * (p - 1) / p * nbytes * cost.beta
+    return (p - 1) * (cost.alpha + nbytes * cost.beta)
+
+
+def _largest_piece(layout: Layout, coordinate, itemsize: int, dim: int, sizes) -> int:
+    """Bytes of the largest piece along tensor dimension ``dim`` cut in ``sizes``, the rest of
+    the piece as this rank holds it (the ranks of one mesh dimension's group hold the same)."""
+    shape = list(layout.local_shape(coordinate))
+    shape[dim] = max(sizes)
+    return math.prod(shape) * itemsize
 
 
 def _all_reduce_way(
@@ -190,17 +198,25 @@ def make_plan(
         before_bytes = _volume(state, coordinate, itemsize)
         after_bytes = _volume(after, coordinate, itemsize)
         p = mesh_shape[m]
-        if kind == "all_gather":
-            whole = after_bytes
-        elif kind == "all_to_all":
-            whole = max(before_bytes, after_bytes)
-        else:
-            whole = before_bytes
         how = None
         if kind == "all_reduce":
             how, calls, seconds = _all_reduce_way(p, before_bytes, writable, cost)
         else:
-            seconds = _ring_seconds(kind, p, whole, cost)
+            if kind == "all_gather":
+                piece = _largest_piece(state, coordinate, itemsize, p_from.dim, state.sizes[m])
+            elif kind == "reduce_scatter":
+                piece = _largest_piece(after, coordinate, itemsize, target.dim, target_sizes)
+            elif kind == "all_to_all":  # each part: one sender's rows of one receiver's columns
+                piece = (
+                    max(
+                        _largest_piece(state, coordinate, itemsize, p_from.dim, state.sizes[m]),
+                        _largest_piece(after, coordinate, itemsize, target.dim, target_sizes),
+                    )
+                    // p
+                )
+            else:
+                piece = 0
+            seconds = _ring_seconds(kind, p, piece, cost)
             calls = () if kind.endswith("_local") else ((kind, before_bytes, after_bytes),)
         steps.append(
             Step(
