@@ -196,7 +196,19 @@ def _last_plan_body():
         np.testing.assert_array_equal(x.redistribute(placements=[Replicate()]).to_local(), whole)
         columns = x.redistribute(placements=[Shard(1)]).to_local()
         np.testing.assert_array_equal(columns, whole[:, 2 * rank : 2 * rank + 2])
-    assert mesh.last_plans[x.layout][0][0] == (Shard(1),)
+    # the placements spelled as a tuple, then a list, then a tuple again: the same results
+    for target in ((Shard(1),), [Shard(1)], (Shard(1),), [Replicate()]):
+        expected = whole if target[0] is Replicate() else whole[:, 2 * rank : 2 * rank + 2]
+        np.testing.assert_array_equal(x.redistribute(placements=target).to_local(), expected)
+    # a repeated call from a pending result waits for it; from a donated one refuses
+    pending = x.redistribute(placements=[Shard(1)], async_op=True)
+    np.testing.assert_array_equal(
+        pending.redistribute(placements=[Shard(0)]).to_local(), x.to_local()
+    )
+    again = x.redistribute(placements=[Shard(1)])
+    again.redistribute(placements=[Shard(0)], donate=True)
+    with pytest.raises(ValueError, match="given to redistribute\\(donate=True\\)"):
+        again.redistribute(placements=[Shard(0)], donate=True)
     # the same layout and target at another dtype: a plan of its own
     x32 = distribute_tensor(whole.astype(np.float32), mesh, [Shard(0)])
     assert x32.layout is x.layout

@@ -92,12 +92,9 @@ class DeviceMesh:
         self._orders: dict[int, list[int]] = {}
         self._info: dict[int, tuple[ProcessGroup, list[int], bool]] = {}
         #: redistribute plans, each with the function that runs it once compiled (``[plan,
-        #: run]``), by (source layout, target placements, array type, dtype, donate); and per
-        #: source layout the last of them redistribute ran, ``((target placements, array type,
-        #: dtype, donate), plan, run)``, which a repeated call checks first; see
+        #: run]``), by (source layout, target placements, array type, dtype, donate); see
         #: pluribus.dtensor.api
         self.plan_cache: dict[Any, Any] = {}
-        self.last_plans: dict[Any, Any] = {}
 
     # -- shape ------------------------------------------------------------------------------
 

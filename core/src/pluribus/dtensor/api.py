@@ -19,8 +19,6 @@ from .plan import DEFAULT_COST, CostModel, Plan, make_plan
 from .redistribute import Run, compile_plan
 
 _new = object.__new__
-#: ``DeviceMesh.last_plans``' entry for a layout not redistributed from yet
-NO_PLAN = (None, None, None)
 
 
 def _rank() -> int:
@@ -153,19 +151,30 @@ class DTensor:
             entry = mesh.plan_cache[key] = [plan, None]
         return key, entry
 
-    def _runnable(self, placements: tuple[Placement, ...], donate: bool) -> tuple[Plan, Run | None]:
-        """The plan to ``placements`` and the function that runs it (compiled here the first
-        time), remembered as the last plan from this layout on this mesh, which a repeated
+    def _runnable(self, given: Sequence[Placement], donate: bool) -> tuple[Plan, Run | None]:
+        """The plan to the placements ``given`` and the function that runs it (compiled here the
+        first time), remembered on this layout as its last redistribute, which a repeated
         :meth:`redistribute` checks first; None for a plan with no step."""
-        key, entry = self._planned(placements, donate)
+        key, entry = self._planned(tuple(given), donate)
         plan, run = entry
         if not plan.steps:  # nothing moves: redistribute hands back this DTensor
             return plan, None
+        local = self._local
         if run is None:
-            local = self._local
             xp = np if type(local) is np.ndarray else array_namespace(local)
             run = entry[1] = compile_plan(self._mesh, plan, xp, local.dtype)
-        self._mesh.last_plans[self._layout] = (key[1:], plan, run)
+        # the placements as the caller spells them (a list is compared as a list, with no
+        # tuple made per call)
+        spelled = list(given) if type(given) is list else key[1]
+        self._layout.last_redistribute = (
+            self._mesh,
+            spelled,
+            type(local),
+            local.dtype,
+            donate,
+            plan.dst,
+            run,
+        )
         return plan, run
 
     def redistribute(
@@ -182,6 +191,36 @@ class DTensor:
         collectives may work in this DTensor's piece instead of a copy (an all-reduce then
         costs exactly the hand-written one), and this DTensor can no longer be used, whatever
         the plan (as with JAX's donated buffers)."""
+        # The repeated call, which users time against the collective by hand: the last
+        # redistribute from this layout, when it was on this mesh, to the same placements, with
+        # the same array type, dtype and donate; then the compiled plan and the result. One
+        # slot read and identity checks (placements are interned): at 64 KiB every object
+        # touched here is a cache miss after the collective's copies.
+        local = self._local
+        last = self._layout.last_redistribute
+        if (
+            last is not None
+            and not async_op
+            and device_mesh is None
+            and last[0] is self._mesh
+            and type(local) is last[2]
+            and last[1] == placements
+            and local.dtype is last[3]
+            and donate is last[4]
+        ):
+            if donate:
+                if self._readers is not None:
+                    self._wait_for_readers()
+                piece = last[6](local, False)
+                self._local = None
+            else:
+                piece = last[6](local, False)
+            made = _new(DTensor)  # what __init__ does, without its Python frame
+            made._local = piece
+            made._mesh = self._mesh
+            made._layout = last[5]
+            made._pending = made._readers = None
+            return made
         if device_mesh is not None and device_mesh is not self._mesh and device_mesh != self._mesh:
             if isinstance(device_mesh, (list, tuple)):
                 raise TypeError(
@@ -194,34 +233,18 @@ class DTensor:
             )
         if placements is None:
             raise ValueError(f"rank {_rank()}: redistribute needs placements=")
-        # The repeated call, which users time against the collective by hand: the last plan
-        # from this layout on this mesh when it has the same target and array signature (one
-        # lookup keyed by the interned layout, then a tuple compare that the interned
-        # placements make identity checks; cheaper than hashing the whole key), the compiled
-        # plan, the result.
-        local = self._local
         if local is None:  # donated, or a pending redistribute's result (wait for it)
             local = self.to_local()
-        placements = tuple(placements)
-        last = self._mesh.last_plans.get(self._layout, NO_PLAN)
-        if last[0] == (placements, type(local), local.dtype, donate):
-            _, plan, run = last
-        else:
-            plan, run = self._runnable(placements, donate)
-            if run is None:
-                return self._unmoved(local, donate)
+        plan, run = self._runnable(placements, donate)
+        if run is None:
+            return self._unmoved(local, donate)
         if donate and self._readers is not None:
             self._wait_for_readers()
         if not async_op:
             piece = run(local, False)
             if donate:
                 self._local = None
-            made = _new(DTensor)  # what __init__ does, without its Python frame
-            made._local = piece
-            made._mesh = self._mesh
-            made._layout = plan.dst
-            made._pending = made._readers = None
-            return made
+            return DTensor(piece, self._mesh, plan.dst)
         work, out, post = run(local, True)
         if donate:
             self._local = None

@@ -27,11 +27,14 @@ class Layout:
     sharded).
 
     Layouts are immutable and interned like placements: equal layouts are the same object, so
-    the plan cache, keyed by them on every ``redistribute``, compares and hashes by identity.
-    The table keeps every distinct layout made (a few hundred bytes each), as the plan cache
-    keeps a plan per layout pair."""
+    the plan cache, keyed by them, compares and hashes by identity. The table keeps every
+    distinct layout made (a few hundred bytes each), as the plan cache keeps a plan per layout
+    pair. One slot is a memo, not part of the value: ``last_redistribute``, the last
+    redistribute from this layout (``(mesh, placements as given, array type, dtype, donate,
+    target layout, compiled plan)``, set by :mod:`pluribus.dtensor.api`), which a repeated
+    ``redistribute`` reads instead of looking its plan up."""
 
-    __slots__ = ("shape", "placements", "sizes")
+    __slots__ = ("shape", "placements", "sizes", "last_redistribute")
     _made: dict[tuple, Layout] = {}
 
     def __new__(
@@ -49,12 +52,14 @@ class Layout:
         placements = tuple(placements)
         sizes = tuple(None if s is None else tuple(int(n) for n in s) for s in sizes)
         made = object.__new__(cls)
-        for name, value in zip(cls.__slots__, (shape, placements, sizes), strict=True):
+        for name, value in zip(cls.__slots__, (shape, placements, sizes, None), strict=True):
             object.__setattr__(made, name, value)
         return cls._made.setdefault((shape, placements, sizes), made)
 
     def __setattr__(self, name: str, value) -> None:
-        raise AttributeError("a Layout is immutable; use with_placement for another one")
+        if name != "last_redistribute":
+            raise AttributeError("a Layout is immutable; use with_placement for another one")
+        object.__setattr__(self, name, value)
 
     def __reduce__(self):
         return Layout, (self.shape, self.placements, self.sizes)
