@@ -7,6 +7,7 @@ and the tensor-parallel GPT MLP's speed-up of 2 ranks over 1.
     python benchmarks/dtensor_redistribute.py --only collectives --device cuda --backend ucc
     python benchmarks/dtensor_redistribute.py --only gap --ranks 1,2  # Python between calls
     python benchmarks/dtensor_redistribute.py --only floor  # what any cached dispatch adds
+    python benchmarks/dtensor_redistribute.py --only route  # a plan through Shard on 2 x 2
 
 The ranks are processes on gloo (one BLAS thread each), or on ``--backend`` with cupy arrays
 under ``--device cuda`` (each call then ends with a synchronisation of the stream). Each
@@ -193,6 +194,36 @@ def _gap(seconds: float):
     return _rounds(fns, seconds)
 
 
+def _through_shard(seconds: float):
+    """Whether a plan should go through a placement that is in neither the source nor the
+    target: ``[Partial(), Partial()] -> [Replicate(), Replicate()]`` on a 2 x 2 mesh as the
+    planner runs it (an all-reduce per mesh dimension) against a route through ``Shard(0)`` on
+    the first (reduce-scatter, an all-reduce of half the bytes, all-gather), which moves 3/4
+    of the bytes in a ring model. Each result is checked against the other first."""
+    import pluribus as pb
+    from pluribus.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    results = {}
+    for label, nbytes in {"64 KiB": 64 << 10, "1 MiB": 1 << 20, "16 MiB": 16 << 20}.items():
+        whole = np.ones((nbytes // 4 // 256, 256), np.float32)
+        x = distribute_tensor(whole, mesh, [Partial(), Partial()])
+        both = [Replicate(), Replicate()]
+
+        def planned(x=x, both=both):
+            return x.redistribute(placements=both)
+
+        def routed(x=x, both=both):
+            y = x.redistribute(placements=[Shard(0), Partial()])
+            y = y.redistribute(placements=[Shard(0), Replicate()], donate=True)
+            return y.redistribute(placements=both, donate=True)
+
+        np.testing.assert_array_equal(planned().to_local(), routed().to_local())
+        pb.barrier()
+        results[label] = _rounds({"planned": planned, "through Shard(0)": routed}, seconds)
+    return results
+
+
 def _floor(seconds: float):
     """What any cached dispatch would add at 64 KiB: Shard(0) -> Replicate by redistribute,
     by hand, and by two stand-ins that skip redistribute's checks: a call that builds the
@@ -308,7 +339,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", choices=["collectives", "overhead", "mlp", "sweep", "gap", "floor"]
+        "--only", choices=["collectives", "overhead", "mlp", "sweep", "gap", "floor", "route"]
     )
     parser.add_argument("--ops", help="comma-separated subset of the collectives")
     parser.add_argument("--ranks", default="2,4")
@@ -371,6 +402,16 @@ def main() -> None:
                     f"floor  gloo {p} ranks  64 KiB Shard(0) -> Replicate, {name:>29}: "
                     f"{med * 1e6:6.2f} us (fastest {best * 1e6:6.2f}), {med / hand:.3f}x by hand"
                 )
+    if "route" in run:
+        results = run_ranks(_through_shard, 4, backend="gloo", env=ENV, timeout=600,
+                            args=(args.seconds,))[0]  # fmt: skip
+        for label, t in results.items():
+            print(
+                f"route  gloo 4 ranks (2 x 2)  {label:>6}  [P, P] -> [R, R]: planned "
+                f"{t['planned'][0] * 1e6:8.1f} us, through Shard(0) "
+                f"{t['through Shard(0)'][0] * 1e6:8.1f} us, median ratio planned / through "
+                f"{t['ratio']:.3f}"
+            )
     if "mlp" in run:
         times = {}
         for p in (1, 2):
