@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import weakref
+
 import numpy as np
 import pluribus as pb
 import pytest
 from dtensor_helpers import CountingPlugin
+from pluribus import nn
 from pluribus.dtensor import (
     DTensor,
     Partial,
@@ -19,6 +24,7 @@ from pluribus.dtensor import (
 from pluribus.dtensor.layout import default_layout
 from pluribus.dtensor.plan import CostModel, make_plan
 from pluribus.mesh import DeviceMesh
+from pluribus.parallel import ColwiseParallel, parallelize_module
 from pluribus.testing import RanksFailed, run_ranks
 
 
@@ -56,6 +62,67 @@ def test_mesh_groups_are_made_once_per_rank_set_and_shared_by_slices(counting):
     assert run_ranks(_mesh_body, 6) == [True] * 6
     # per rank: 3 dp groups (2 ranks each) and 2 tp groups, each created once, on its members
     assert counting.groups_created == 6 * 1 + 3 * 2 + 2 * 3
+
+
+def _mesh_handle_body():
+    """A mesh is its own read-only copy of the ranks, copied as itself, and equal only to a
+    mesh on the same device."""
+    ranks = np.array([[0, 1], [2, 3]])
+    rows = DeviceMesh("cpu", ranks, ("a", "b"))
+    ranks[:] = ranks.T  # the caller reuses its array for a second mesh
+    columns = DeviceMesh("cpu", ranks, ("a", "b"))
+    rank = pb.get_rank()
+    assert rows.mesh.tolist() == [[0, 1], [2, 3]] and rows.coordinate == divmod(rank, 2)
+    assert columns.coordinate == divmod(rank, 2)[::-1]
+    with pytest.raises(ValueError, match="read-only"):
+        rows["b"].mesh[0] = 3
+    whole = np.arange(8.0).reshape(4, 2)
+    for mesh in (rows, columns):
+        x = distribute_tensor(whole, mesh, [Shard(0), Replicate()])
+        np.testing.assert_array_equal(x.full_tensor(), whole)
+    assert rows.group_order("b") == rows.group_order(1)
+    assert copy.copy(rows) is rows and copy.deepcopy(rows) is rows
+    layer = nn.Linear(4, 4)
+    parallelize_module(layer, init_device_mesh("cpu", (4,)), ColwiseParallel())
+    twin = copy.deepcopy(layer)  # the mesh (and its groups) shared, the arrays copied
+    assert twin.weight.tp_layout[0] is layer.weight.tp_layout[0]
+    assert twin.weight.data is not layer.weight.data
+    np.testing.assert_array_equal(twin.weight.data, layer.weight.data)
+    assert init_device_mesh("cpu", (4,)) != init_device_mesh("cuda", (4,))
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_mesh_owns_its_ranks_and_copies_as_itself():
+    assert run_ranks(_mesh_handle_body, 4) == [True] * 4
+
+
+def _whole_world_mesh():
+    init_device_mesh("cpu", (4,)).get_group(0)
+    return weakref.ref(pb.get_default_group())
+
+
+@pytest.mark.timeout(60)
+def test_a_mesh_over_the_whole_world_lets_the_world_go():
+    worlds = run_ranks(_whole_world_mesh, 4)
+    gc.collect()
+    assert [w() for w in worlds] == [None] * 4
+
+
+def _destroyed_group_body():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pb.destroy_process_group(mesh.get_group("tp"))
+    # every rank destroyed its tp group: every rank refuses to hand it to a new mesh
+    init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).get_group("tp")
+
+
+@pytest.mark.timeout(60)
+def test_a_new_mesh_refuses_a_destroyed_group():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_destroyed_group_body, 4)
+    assert sorted(e.rank for e in failed.value.errors) == [0, 1, 2, 3]
+    for e in failed.value.errors:
+        assert e.kind == "ValueError" and "was destroyed" in e.message, e.message
 
 
 def _matmul_body():
@@ -267,6 +334,16 @@ def _errors(case):
         init_device_mesh("cpu", (3,))
     elif case == "partial":
         distribute_tensor(x, mesh, [Partial()]) + 1.0
+    elif case == "slice by number":
+        init_device_mesh("cpu", (2,))[0]
+    elif case == "shape below 1":
+        init_device_mesh("cpu", (-2, -1))
+    elif case == "ranks not integers":
+        DeviceMesh("cpu", [0.9, 1.5])
+    elif case == "device":
+        DeviceMesh("gpu", [0, 1])
+    elif case == "names a string":
+        DeviceMesh("cpu", [0, 1], "ab")
     elif case == "avg of ints":  # an average of integers is no integer
         distribute_tensor(np.arange(4), mesh, [Partial("avg")])
     elif case == "from_local avg of ints":
@@ -292,6 +369,11 @@ def _errors(case):
         ("not in mesh", [0, 1], "must hold every rank of the world 0..1"),
         ("mesh shape", [0, 1], r"mesh shape \(3,\) holds 3 ranks but the world has 2"),
         ("partial", [0, 1], "would change the reduced value; redistribute to Replicate"),
+        ("slice by number", [0, 1], r"slice a DeviceMesh by dimension names .*mesh_dim_names="),
+        ("shape below 1", [0, 1], r"mesh shape \(-2, -1\) has a dimension below 1"),
+        ("ranks not integers", [0, 1], r"holds integer ranks, got \[0.9, 1.5\]"),
+        ("device", [0, 1], "device_type must be 'cpu' or 'cuda', got 'gpu'"),
+        ("names a string", [0, 1], r"got the string 'ab'; pass \('ab',\) for one"),
         ("avg of ints", [0, 1], r"AVG needs a floating-point array, got int64; .*Partial\('avg'\)"),
         ("from_local avg of ints", [0, 1], r"AVG needs a floating-point array.*mesh dimension 0"),
         ("redistribute to avg of ints", [0, 1], "AVG needs a floating-point array, got int64"),
@@ -307,7 +389,8 @@ def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, cou
         assert sent == [], "nothing may be sent before the error"
     assert sorted(e.rank for e in failed.value.errors) == ranks
     for e in failed.value.errors:
-        assert e.kind == ("TypeError" if "avg of ints" in case else "ValueError")
+        typed = ("avg of ints", "slice by number", "ranks not integers", "names a string")
+        assert e.kind == ("TypeError" if case.endswith(typed) else "ValueError"), e
         assert f"rank {e.rank}:" in e.message
         import re
 

@@ -54,10 +54,16 @@ class DeviceMesh:
         _root_dims: tuple[int, ...] | None = None,
     ):
         world = dist.get_default_group()
-        ranks = np.asarray(mesh, dtype=np.int64)
-        if ranks.ndim == 0:
-            ranks = ranks.reshape(1)
         me = world.global_rank
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"rank {me}: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+        given = np.asarray(mesh)
+        if given.dtype.kind not in "iu":
+            raise TypeError(f"rank {me}: a DeviceMesh holds integer ranks, got {given.tolist()}")
+        # the mesh's own read-only copy: a caller reusing its array cannot change the mesh
+        # under the coordinate and groups worked out from it
+        ranks = given.astype(np.int64).reshape(given.shape or (1,))
+        ranks.flags.writeable = False
         if _root is None:
             flat = ranks.reshape(-1).tolist()
             bad = sorted(r for r in set(flat) if not 0 <= r < world.size)
@@ -74,11 +80,20 @@ class DeviceMesh:
                     f"this rank {where} in it. Build the mesh over the world and slice it "
                     '(mesh["tp"]) for part of it'
                 )
+        if isinstance(mesh_dim_names, str):
+            raise TypeError(
+                f"rank {me}: mesh_dim_names must be a sequence of names, one per mesh dimension, "
+                f"got the string {mesh_dim_names!r}; pass ({mesh_dim_names!r},) for one"
+            )
         names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
-        if names is not None and (len(names) != ranks.ndim or len(set(names)) != len(names)):
+        if names is not None and (
+            len(names) != ranks.ndim
+            or len(set(names)) != len(names)
+            or not all(isinstance(n, str) for n in names)
+        ):
             raise ValueError(
                 f"rank {me}: mesh_dim_names {names} must name each of the mesh's {ranks.ndim} "
-                "dimensions once"
+                "dimensions once, with strings"
             )
         self.device_type = device_type
         self.mesh = ranks
@@ -155,16 +170,17 @@ class DeviceMesh:
             group = self._groups[d] = self._root._group_along(self._root_dims[d])
         return group
 
-    def group_order(self, dim: int) -> list[int]:
+    def group_order(self, dim: int | str) -> list[int]:
         """For each index along mesh dimension ``dim`` (through this rank), that rank's rank in
         ``get_group(dim)``: the two orders differ when the mesh is not laid out row-major."""
-        found = self._orders.get(dim)
+        d = self._dim(dim)
+        found = self._orders.get(d)
         if found is None:
             index = list(self._coordinate)
-            index[dim] = slice(None)
+            index[d] = slice(None)
             row = [int(r) for r in self.mesh[tuple(index)]]
-            ranks = self.get_group(dim).ranks
-            found = self._orders[dim] = [ranks.index(r) for r in row]
+            ranks = self.get_group(d).ranks
+            found = self._orders[d] = [ranks.index(r) for r in row]
         return found
 
     def group_info(self, dim: int) -> tuple[ProcessGroup, list[int], bool]:
@@ -184,16 +200,24 @@ class DeviceMesh:
         return this rank's. Every rank takes the rank sets in the same order."""
         rows = np.moveaxis(self.mesh, dim, -1).reshape(-1, self.mesh.shape[dim])
         mine = None
+        world = self._world
         for row in rows:
             ranks = tuple(sorted(int(r) for r in row))
-            group = _group_for(self._world, ranks)
-            if group is None:
-                if ranks == tuple(range(self._world.size)):
-                    group = self._world
-                else:
+            if ranks == tuple(range(world.size)):
+                group = world  # not cached: the cache is keyed weakly by the world itself
+            else:
+                group = _group_for(world, ranks)
+                if group is None:
                     group = dist.new_group(list(ranks))
-                _remember(self._world, ranks, group)
-            if self._world.global_rank in ranks:
+                    _remember(world, ranks, group)
+                elif getattr(group, "closed", False):  # members know; they cannot remake it alone
+                    raise ValueError(
+                        f"rank {world.global_rank}: the group of ranks {list(ranks)} that meshes "
+                        "share was destroyed (destroy_process_group), and a mesh cannot make it "
+                        "again: every rank creates groups together. Destroy a mesh's groups only "
+                        "when done with every mesh over them, or start a new world"
+                    )
+            if world.global_rank in ranks:
                 mine = group
         return mine
 
@@ -201,7 +225,15 @@ class DeviceMesh:
 
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         """The sub-mesh through this rank spanned by the named dimensions, in the order given."""
-        wanted = (names,) if isinstance(names, str) else tuple(names)
+        wanted = (names,) if isinstance(names, str) else names
+        if isinstance(wanted, list):
+            wanted = tuple(wanted)
+        if not isinstance(wanted, tuple) or not all(isinstance(n, str) for n in wanted):
+            raise TypeError(
+                f"rank {self._world.global_rank}: slice a DeviceMesh by dimension names "
+                f'(mesh["tp"], mesh["dp", "tp"]), got {names!r}'
+                + ("" if self.mesh_dim_names else "; this mesh has none: pass mesh_dim_names=")
+            )
         dims = [self._dim(n) for n in wanted]
         if len(set(dims)) != len(dims):
             raise ValueError(f"rank {self._world.global_rank}: mesh dimensions {wanted} repeat")
@@ -218,16 +250,23 @@ class DeviceMesh:
             _root_dims=tuple(self._root_dims[d] for d in dims),
         )
 
+    def __copy__(self) -> DeviceMesh:
+        return self  # a handle on the job's groups, immutable: copies are the mesh itself
+
+    def __deepcopy__(self, memo: dict) -> DeviceMesh:
+        return self
+
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, DeviceMesh)
+            and self.device_type == other.device_type
             and self.mesh.shape == other.mesh.shape
             and bool((self.mesh == other.mesh).all())
             and self.mesh_dim_names == other.mesh_dim_names
         )
 
     def __hash__(self) -> int:
-        return hash((self.mesh.tobytes(), self.mesh.shape, self.mesh_dim_names))
+        return hash((self.device_type, self.mesh.tobytes(), self.mesh.shape, self.mesh_dim_names))
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
@@ -243,11 +282,14 @@ def init_device_mesh(
     """The world's ranks laid out row-major in ``mesh_shape`` (its product is the world size)."""
     world = dist.get_default_group()
     shape = tuple(int(s) for s in mesh_shape)
-    if int(np.prod(shape)) != world.size or any(s < 1 for s in shape):
+    if any(s < 1 for s in shape):
+        raise ValueError(
+            f"rank {world.global_rank}: mesh shape {shape} has a dimension below 1; every "
+            "dimension holds at least one rank"
+        )
+    if int(np.prod(shape)) != world.size:
         raise ValueError(
             f"rank {world.global_rank}: mesh shape {shape} holds {int(np.prod(shape))} ranks but "
             f"the world has {world.size}; pick a shape whose product is {world.size}"
         )
-    if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"rank {world.global_rank}: device_type must be 'cpu' or 'cuda'")
     return DeviceMesh(device_type, np.arange(world.size).reshape(shape), mesh_dim_names)
