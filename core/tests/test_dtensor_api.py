@@ -252,6 +252,10 @@ def test_an_uneven_collective_is_predicted_by_its_largest_piece():
             for coordinate in range(4):
                 (step,) = make_plan(src, dst, (4,), (coordinate,), 4, cost).steps
                 assert step.seconds == pytest.approx(3 * (1e-6 + 2 * row * 1e-9)), (rows, step)
+    # an all-to-all's part: the largest piece's rows of the largest piece's columns
+    rows, columns = (default_layout((5, 5), (Shard(d),), (4,)) for d in (0, 1))
+    (step,) = make_plan(rows, columns, (4,), (3,), 8, cost).steps
+    assert step.seconds == pytest.approx(3 * (1e-6 + 2 * 2 * 8 * 1e-9)), step
 
 
 def _last_plan_body():
@@ -267,6 +271,13 @@ def _last_plan_body():
     for target in ((Shard(1),), [Shard(1)], (Shard(1),), [Replicate()]):
         expected = whole if target[0] is Replicate() else whole[:, 2 * rank : 2 * rank + 2]
         np.testing.assert_array_equal(x.redistribute(placements=target).to_local(), expected)
+    # any sequence of placements will do, a numpy array too (== is elementwise there)
+    flat = init_device_mesh("cpu", (1, 2))
+    w = distribute_tensor(whole, flat, [Replicate(), Shard(1)])
+    spelled = np.array([Replicate(), Shard(0)], dtype=object)
+    for _ in range(3):
+        rows = w.redistribute(placements=spelled).to_local()
+        np.testing.assert_array_equal(rows, whole[3 * rank : 3 * rank + 3])
     # a repeated call from a pending result waits for it; from a donated one refuses
     pending = x.redistribute(placements=[Shard(1)], async_op=True)
     np.testing.assert_array_equal(
@@ -344,6 +355,8 @@ def _errors(case):
         DeviceMesh("gpu", [0, 1])
     elif case == "names a string":
         DeviceMesh("cpu", [0, 1], "ab")
+    elif case == "complex partial":
+        from_local(np.ones(2, np.complex128), mesh, [Partial("max")], run_check=False)
     elif case == "avg of ints":  # an average of integers is no integer
         distribute_tensor(np.arange(4), mesh, [Partial("avg")])
     elif case == "from_local avg of ints":
@@ -374,6 +387,7 @@ def _errors(case):
         ("ranks not integers", [0, 1], r"holds integer ranks, got \[0.9, 1.5\]"),
         ("device", [0, 1], "device_type must be 'cpu' or 'cuda', got 'gpu'"),
         ("names a string", [0, 1], r"got the string 'ab'; pass \('ab',\) for one"),
+        ("complex partial", [0, 1], r"do not reduce complex128 \(Partial\('max'\) on mesh"),
         ("avg of ints", [0, 1], r"AVG needs a floating-point array, got int64; .*Partial\('avg'\)"),
         ("from_local avg of ints", [0, 1], r"AVG needs a floating-point array.*mesh dimension 0"),
         ("redistribute to avg of ints", [0, 1], "AVG needs a floating-point array, got int64"),
@@ -389,7 +403,7 @@ def test_bad_input_fails_on_every_rank_with_what_to_do(case, ranks, message, cou
         assert sent == [], "nothing may be sent before the error"
     assert sorted(e.rank for e in failed.value.errors) == ranks
     for e in failed.value.errors:
-        typed = ("avg of ints", "slice by number", "ranks not integers", "names a string")
+        typed = ("avg of ints", "by number", "not integers", "names a string", "complex partial")
         assert e.kind == ("TypeError" if case.endswith(typed) else "ValueError"), e
         assert f"rank {e.rank}:" in e.message
         import re
@@ -438,6 +452,12 @@ def _pieces_of_their_own_body():
         )
         np.testing.assert_array_equal(t.to_local(), kept)
         np.testing.assert_array_equal(s.to_local(), kept)
+    # Replicate -> Shard cuts a piece of its own, even where the cut is contiguous (rows):
+    # donating it leaves the source as it was
+    rows = s.redistribute(placements=[Shard(0)])
+    assert not np.shares_memory(rows.to_local(), s.to_local())
+    rows.redistribute(placements=[Replicate()], donate=True)
+    np.testing.assert_array_equal(s.to_local(), kept)
     # 0-d arrays keep their shape
     for placements in ([Replicate()], [Partial()], [Partial("max")]):
         point = distribute_tensor(np.array(3.5), mesh, placements)

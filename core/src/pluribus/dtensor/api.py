@@ -204,6 +204,7 @@ class DTensor:
             and device_mesh is None
             and last[0] is self._mesh
             and type(local) is last[2]
+            and type(placements) is type(last[1])  # a list or tuple: == is element by element
             and last[1] == placements
             and local.dtype is last[3]
             and donate is last[4]

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..arrays import check_op
+import numpy as np
+
+from ..arrays import check_op, supported_dtypes
 from .placements import Partial, Placement, Replicate, Shard
 
 
@@ -32,7 +34,8 @@ class Layout:
     pair. One slot is a memo, not part of the value: ``last_redistribute``, the last
     redistribute from this layout (``(mesh, placements as given, array type, dtype, donate,
     target layout, compiled plan)``, set by :mod:`pluribus.dtensor.api`), which a repeated
-    ``redistribute`` reads instead of looking its plan up."""
+    ``redistribute`` reads instead of looking its plan up; it keeps that one mesh alive until
+    a redistribute from this layout on another mesh replaces it."""
 
     __slots__ = ("shape", "placements", "sizes", "last_redistribute")
     _made: dict[tuple, Layout] = {}
@@ -140,6 +143,8 @@ def normalize_placements(
         if dtype is not None and isinstance(p, Partial):
             try:
                 check_op(p.reduce_op, dtype, rank)
+                if np.dtype(dtype) not in supported_dtypes():
+                    raise TypeError(f"rank {rank}: the collectives do not reduce {dtype}")
             except TypeError as exc:
                 raise TypeError(f"{exc} ({p!r} on mesh dimension {m})") from None
     return tuple(out)

@@ -207,13 +207,13 @@ def make_plan(
             elif kind == "reduce_scatter":
                 piece = _largest_piece(after, coordinate, itemsize, target.dim, target_sizes)
             elif kind == "all_to_all":  # each part: one sender's rows of one receiver's columns
-                piece = (
-                    max(
-                        _largest_piece(state, coordinate, itemsize, p_from.dim, state.sizes[m]),
-                        _largest_piece(after, coordinate, itemsize, target.dim, target_sizes),
-                    )
-                    // p
-                )
+                part = list(state.local_shape(coordinate))
+                i, j, sent, got = p_from.dim, target.dim, max(state.sizes[m]), max(target_sizes)
+                if i == j:  # the same dimension cut anew: a part is an overlap of two pieces
+                    part[i] = min(sent, got)
+                else:
+                    part[i], part[j] = sent, got
+                piece = math.prod(part) * itemsize
             else:
                 piece = 0
             seconds = _ring_seconds(kind, p, piece, cost)

@@ -73,7 +73,9 @@ def _compile_step(mesh: Any, step: Step, xp: Any, dtype: Any, shape: tuple[int, 
         d = step.dst.dim
         start = sum(step.dst_sizes[:me])
         index = (slice(None),) * d + (slice(start, start + step.dst_sizes[me]),)
-        return _local_step(lambda local: xp.ascontiguousarray(local[index]))
+        # a copy, not a view of the source's piece (which a donation of the result would
+        # write over, and which would stay alive for the view)
+        return _local_step(lambda local: local[index].copy())
     if kind == "partial_local":
         if step.dst.op == "sum" and me != 0:
             return _local_step(xp.zeros_like)
