@@ -505,6 +505,44 @@ def test_reductions_and_scalar_operations_give_what_numpy_gives():
     assert run_ranks(_reductions_like_numpy_body, 2, timeout=40) == [True, True]
 
 
+def _numpy_functions_body():
+    mesh = init_device_mesh("cpu", (2,))
+    whole = np.arange(-3.0, 7.0).reshape(5, 2)
+    x = distribute_tensor(whole, mesh, [Shard(0)])
+    for got, want in [
+        (np.exp(x), np.exp(whole)),
+        (np.float32(2) * x, 2 * whole),
+        (x - np.float64(1), whole - 1),
+        (np.sum(x), whole.sum()),
+        (np.mean(x, axis=0), whole.mean(axis=0)),
+        (np.max(x), whole.max()),
+        (abs(x), abs(whole)),
+        (x**2, whole**2),
+        (np.power(x, 3), whole**3),
+    ]:
+        assert isinstance(got, DTensor)
+        np.testing.assert_allclose(got.full_tensor(), want)
+    with pytest.raises(TypeError, match="not one array on this rank; use x.full_tensor"):
+        np.asarray(x)
+    with pytest.raises(TypeError, match="maximum on a DTensor has no placement rule"):
+        np.maximum(x, x)
+    with pytest.raises(TypeError, match="add on a DTensor has no placement rule with out"):
+        np.add(x, 1.0, out=np.empty(1))
+    with pytest.raises(ValueError, match="takes no dtype= or out="):
+        np.sum(x, dtype=np.float32)
+    terms = [np.array([1.0, -5.0]), np.array([0.0, -2.0])][pb.get_rank()]
+    peak = from_local(terms, mesh, [Partial("max")])
+    assert np.negative(peak).placements == (Partial("min"),)
+    np.testing.assert_array_equal(np.negative(peak).full_tensor(), [-1.0, 2.0])
+    with pytest.raises(ValueError, match=r"elementwise exp of Partial\('max'\)"):
+        np.exp(peak)
+    return True
+
+
+def test_numpy_functions_follow_the_placement_rules_or_refuse():
+    assert run_ranks(_numpy_functions_body, 2, timeout=40) == [True, True]
+
+
 def _donating_the_source_of_a_pending_redistribute_body():
     """A pending redistribute on one mesh dimension's group reads its source's piece in the
     background; donating the source to a redistribute on the other dimension's group (which

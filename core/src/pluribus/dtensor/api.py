@@ -29,7 +29,6 @@ class DTensor:
     """A global ``shape``-d array distributed over ``device_mesh`` by ``placements``."""
 
     __slots__ = ("_local", "_mesh", "_layout", "_pending", "_readers", "__weakref__")
-    __array_priority__ = 100  # numpy scalars and arrays defer to our operators
 
     def __init__(self, local: Any, mesh: DeviceMesh, layout: Layout, _pending=None):
         # Every piece is C-contiguous (a strided one, such as a transpose's, is copied here),
@@ -311,23 +310,38 @@ class DTensor:
     def __neg__(self):
         return _ops().neg(self)
 
+    def __abs__(self):
+        return _ops().elementwise(abs, self)
+
+    def __pow__(self, exponent):
+        return _ops().power(self, exponent)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return _ops().array_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(
+            f"rank {_rank()}: a DTensor is not one array on this rank; use x.full_tensor() for "
+            "the whole array, or x.to_local() for this rank's piece"
+        )
+
     def __matmul__(self, other):
         return _ops().matmul(self, other)
 
     def __rmatmul__(self, other):
         return _ops().matmul(other, self)
 
-    def sum(self, axis=None, keepdims=False):
-        return _ops().sum(self, axis, keepdims)
+    def sum(self, axis=None, keepdims=False, *, dtype=None, out=None):
+        return _ops().sum(self, axis, keepdims, dtype, out)
 
-    def mean(self, axis=None, keepdims=False):
-        return _ops().mean(self, axis, keepdims)
+    def mean(self, axis=None, keepdims=False, *, dtype=None, out=None):
+        return _ops().mean(self, axis, keepdims, dtype, out)
 
-    def max(self, axis=None, keepdims=False):
-        return _ops().max(self, axis, keepdims)
+    def max(self, axis=None, keepdims=False, *, dtype=None, out=None):
+        return _ops().max(self, axis, keepdims, dtype, out)
 
-    def min(self, axis=None, keepdims=False):
-        return _ops().min(self, axis, keepdims)
+    def min(self, axis=None, keepdims=False, *, dtype=None, out=None):
+        return _ops().min(self, axis, keepdims, dtype, out)
 
     @property
     def T(self):

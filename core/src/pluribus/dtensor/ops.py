@@ -141,6 +141,41 @@ def elementwise(fn: Callable[[Any], Any], x: DTensor) -> DTensor:
     return DTensor(out, x.device_mesh, x.layout)
 
 
+def power(x: DTensor, exponent: Any) -> DTensor:
+    """``x ** exponent`` for a scalar exponent, elementwise (Partial refused, as for any
+    nonlinear function)."""
+    if not isinstance(x, DTensor) or not _scalar(exponent):
+        _fail("a power of DTensors takes a DTensor base and a scalar exponent")
+
+    def power(local):
+        return local**exponent
+
+    return elementwise(power, x)
+
+
+#: numpy's ufuncs with a placement rule of their own; any other unary one is ``elementwise``
+_UFUNC_RULES = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide: div,
+                np.negative: neg, np.power: power}  # fmt: skip
+
+
+def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DTensor:
+    """A numpy ufunc called on DTensors (``np.exp(x)``, ``np.float32(2) * x``, ``x + a
+    numpy scalar``), by the rules above; anything else is refused, not run on the pieces."""
+    rule = _UFUNC_RULES.get(ufunc)
+    if method == "__call__" and not kwargs:
+        if rule is not None and len(inputs) == ufunc.nin:
+            return rule(*inputs)
+        if ufunc.nin == 1 and ufunc.nout == 1:
+            return elementwise(ufunc, inputs[0])
+    raise TypeError(
+        f"rank {_rank()}: numpy's {ufunc.__name__}"
+        f"{'' if method == '__call__' else '.' + method} on a DTensor has no placement rule "
+        f"{'with ' + ', '.join(kwargs) if kwargs else ''}; DTensors take unary elementwise "
+        "ufuncs and + - * / ** with their rules. Use x.to_local() for this rank's piece or "
+        "x.full_tensor() for the whole array"
+    )
+
+
 def transpose(x: DTensor) -> DTensor:
     """Reverse the dimensions (``x.T``)."""
     n = x.ndim
@@ -162,7 +197,9 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted({a % ndim for a in axes}))
 
 
-def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool) -> DTensor:
+def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, dtype=None, out=None) -> DTensor:
+    if dtype is not None or out is not None:  # what numpy's np.sum(x) passes, as None
+        _fail(f"{name} of a DTensor takes no dtype= or out=; cast the result, or its piece")
     axes = _axes(axis, x.ndim)
     if name in ("max", "min") and any(x.shape[a] == 0 for a in axes):
         _fail(f"{name} over an axis of size 0 (shape {x.shape}) has no identity, as in numpy")
@@ -216,20 +253,20 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool) -> DTensor:
     return DTensor(out, x.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))
 
 
-def sum(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:  # noqa: A001
-    return _reduce("sum", x, axis, keepdims)
+def sum(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:  # noqa: A001
+    return _reduce("sum", x, axis, keepdims, dtype, out)
 
 
-def mean(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:
-    return _reduce("mean", x, axis, keepdims)
+def mean(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:
+    return _reduce("mean", x, axis, keepdims, dtype, out)
 
 
-def max(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:  # noqa: A001
-    return _reduce("max", x, axis, keepdims)
+def max(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:  # noqa: A001
+    return _reduce("max", x, axis, keepdims, dtype, out)
 
 
-def min(x: DTensor, axis=None, keepdims: bool = False) -> DTensor:  # noqa: A001
-    return _reduce("min", x, axis, keepdims)
+def min(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:  # noqa: A001
+    return _reduce("min", x, axis, keepdims, dtype, out)
 
 
 # -- matmul ----------------------------------------------------------------------------------
