@@ -528,7 +528,7 @@ def _numpy_functions_body():
         np.maximum(x, x)
     with pytest.raises(TypeError, match="add on a DTensor has no placement rule with out"):
         np.add(x, 1.0, out=np.empty(1))
-    with pytest.raises(ValueError, match="takes no dtype= or out="):
+    with pytest.raises(ValueError, match="sum of a DTensor takes no dtype="):
         np.sum(x, dtype=np.float32)
     terms = [np.array([1.0, -5.0]), np.array([0.0, -2.0])][pb.get_rank()]
     peak = from_local(terms, mesh, [Partial("max")])
@@ -541,6 +541,46 @@ def _numpy_functions_body():
 
 def test_numpy_functions_follow_the_placement_rules_or_refuse():
     assert run_ranks(_numpy_functions_body, 2, timeout=40) == [True, True]
+
+
+def _scalars_on_partial_terms_body():
+    """A Partial's terms with a scalar give the reduced value's result, or are refused where
+    they would not: integers wrap (and an empty piece's max term is the dtype's smallest),
+    bool sum terms are or-ed, and -inf * 0 is nan."""
+    mesh = init_device_mesh("cpu", (4,))
+    ints = np.array([[-2, -1], [-5, -7], [-3, -4]])  # 3 rows over 4 ranks: rank 3 holds none
+    peak = np.max(distribute_tensor(ints, mesh, [Shard(0)]), axis=0)  # Partial("max")
+    for make in (lambda: -peak, lambda: peak * 2, lambda: peak - 1):
+        with pytest.raises(ValueError, match="wrap around"):
+            make()
+    np.testing.assert_array_equal((peak / -2).full_tensor(), ints.max(axis=0) / -2)
+    floats = np.max(distribute_tensor(ints.astype(np.float64), mesh, [Shard(0)]), axis=0)
+    np.testing.assert_array_equal((-floats).full_tensor(), -ints.max(axis=0))
+    np.testing.assert_array_equal((floats * -2).full_tensor(), ints.max(axis=0) * -2)
+    with pytest.raises(ValueError, match="not finite and nonzero"):
+        floats * 0
+    rank = pb.get_rank()
+    flags = from_local(np.array([True, rank % 2 == 0]), mesh, [Partial()])  # or-ed
+    with pytest.raises(ValueError, match="bool terms are or-ed"):
+        flags * 2
+    narrow = from_local(np.full(2, 100, np.int8), mesh, [Partial()])  # wraps in int8
+    with pytest.raises(ValueError, match="int8 terms into float64"):
+        narrow / 2
+    wide = from_local(np.full(2, 100, np.int64), mesh, [Partial()])
+    np.testing.assert_array_equal((wide / 2).full_tensor(), [200.0, 200.0])
+    with pytest.raises(ValueError, match="complex scalar"):
+        floats * 1j
+    both = np.array([[True, False], [True, True], [False, False]])
+    truth = distribute_tensor(both, mesh, [Shard(0)])
+    np.testing.assert_array_equal(np.max(truth, axis=0).full_tensor(), both.max(axis=0))
+    np.testing.assert_array_equal(truth.min(axis=0).full_tensor(), both.min(axis=0))
+    with pytest.raises(ValueError, match="takes no initial="):
+        np.max(truth, initial=False)
+    return True
+
+
+def test_scalars_on_partial_terms_give_the_reduced_values_result_or_refuse():
+    assert run_ranks(_scalars_on_partial_terms_body, 4, timeout=40) == [True] * 4
 
 
 def _donating_the_source_of_a_pending_redistribute_body():

@@ -331,17 +331,17 @@ class DTensor:
     def __rmatmul__(self, other):
         return _ops().matmul(other, self)
 
-    def sum(self, axis=None, keepdims=False, *, dtype=None, out=None):
-        return _ops().sum(self, axis, keepdims, dtype, out)
+    def sum(self, axis=None, keepdims=False, **numpy_options):
+        return _ops().sum(self, axis, keepdims, **numpy_options)
 
-    def mean(self, axis=None, keepdims=False, *, dtype=None, out=None):
-        return _ops().mean(self, axis, keepdims, dtype, out)
+    def mean(self, axis=None, keepdims=False, **numpy_options):
+        return _ops().mean(self, axis, keepdims, **numpy_options)
 
-    def max(self, axis=None, keepdims=False, *, dtype=None, out=None):
-        return _ops().max(self, axis, keepdims, dtype, out)
+    def max(self, axis=None, keepdims=False, **numpy_options):
+        return _ops().max(self, axis, keepdims, **numpy_options)
 
-    def min(self, axis=None, keepdims=False, *, dtype=None, out=None):
-        return _ops().min(self, axis, keepdims, dtype, out)
+    def min(self, axis=None, keepdims=False, **numpy_options):
+        return _ops().min(self, axis, keepdims, **numpy_options)
 
     @property
     def T(self):

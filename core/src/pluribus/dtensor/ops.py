@@ -77,31 +77,48 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
         layout = Layout(a.shape, tuple(placements), a.layout.sizes)
         return DTensor(fn(a.to_local(), b.to_local()), a.device_mesh, layout)
     x, scalar = (a, b) if isinstance(a, DTensor) else (b, a)
+    if isinstance(scalar, complex) or (_scalar(scalar) and np.iscomplexobj(scalar)):
+        _fail(f"{name} of a DTensor and a complex scalar: the collectives carry no complex arrays")
     if not _scalar(scalar):
         _fail(f"{name} of a DTensor and a {type(scalar).__name__}: use a scalar or a DTensor")
     placements = list(x.placements)
     scaled = name == "mul" or (name == "div" and x is a)  # every term times one number
+    local = x.to_local()
+    empty = array_namespace(local).empty(0, local.dtype)  # the result's dtype, no arithmetic
+    source = np.dtype(local.dtype)
+    result = np.dtype(fn(*(empty if v is x else v for v in (a, b))).dtype)
     for m, p in enumerate(x.placements):
         if not isinstance(p, Partial):
             continue
-        if p.op == "sum":  # a shift would be added once per term
-            ok = scaled
-        elif p.op == "avg":
-            ok = scaled or name in ("add", "sub")
+        why = None
+        if p.op in _LINEAR:  # a shift would be added once per term of a sum
+            if not (scaled or (p.op == "avg" and name in ("add", "sub"))):
+                why = "would change the reduced value"
+            elif result != source and (
+                source.kind == "b" or (source.kind in "iu" and source.itemsize < 8)
+            ):
+                why = (
+                    f"would turn its {source} terms into {result}, reduced in another "
+                    "arithmetic than the value was (bool terms are or-ed, narrow integers wrap)"
+                )
         else:  # max, min: a monotone map of every term; a decreasing one swaps max and min
-            ok = name in ("add", "sub") or (scaled and np.isrealobj(scalar))
-            if ok and ((name == "sub" and x is b) or (scaled and scalar < 0)):
+            if not (name in ("add", "sub") or (scaled and np.isrealobj(scalar))):
+                why = "would change the reduced value"
+            elif result.kind != "f":
+                why = f"on {result} terms may wrap around, which is not monotone"
+            elif not np.isfinite(scalar) or (scaled and scalar == 0):
+                why = "that is not finite and nonzero meets an empty piece's -inf or inf"
+            elif (name == "sub" and x is b) or (scaled and scalar < 0):
                 placements[m] = _FLIP[p.op]
-        if not ok:
+        if why is not None:
             _fail(
-                f"{name} of {p!r} (mesh dimension {m}) and a scalar would change the reduced "
-                "value; redistribute to Replicate first"
+                f"{name} of {p!r} (mesh dimension {m}) and a scalar {why}; redistribute to "
+                "Replicate first"
             )
     layout = x.layout
     if placements != list(x.placements):
         layout = Layout(x.shape, tuple(placements), x.layout.sizes)
-    return DTensor(fn(a.to_local() if a is x else a, b.to_local() if b is x else b),
-                   x.device_mesh, layout)  # fmt: skip
+    return DTensor(fn(*(local if v is x else v for v in (a, b))), x.device_mesh, layout)
 
 
 def add(a, b):
@@ -121,7 +138,14 @@ def div(a, b):
 
 
 def neg(x: DTensor) -> DTensor:
-    """``-x``: negating the terms of a max gives the min of the negated terms."""
+    """``-x``: negating the terms of a max gives the min of the negated terms (of floats:
+    integers wrap, and an empty piece's term is the dtype's smallest)."""
+    for m, p in enumerate(x.placements):
+        if isinstance(p, Partial) and p.op in _FLIP and np.dtype(x.dtype).kind != "f":
+            _fail(
+                f"negating {p!r} (mesh dimension {m}) of {x.dtype} terms: integers wrap around; "
+                "redistribute to Replicate first"
+            )
     placements = tuple(_FLIP.get(p.op, p) if isinstance(p, Partial) else p for p in x.placements)
     return DTensor(-x.to_local(), x.device_mesh, Layout(x.shape, placements, x.layout.sizes))
 
@@ -169,8 +193,8 @@ def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DT
             return elementwise(ufunc, inputs[0])
     raise TypeError(
         f"rank {_rank()}: numpy's {ufunc.__name__}"
-        f"{'' if method == '__call__' else '.' + method} on a DTensor has no placement rule "
-        f"{'with ' + ', '.join(kwargs) if kwargs else ''}; DTensors take unary elementwise "
+        f"{'' if method == '__call__' else '.' + method} on a DTensor has no placement rule"
+        f"{' with ' + ', '.join(kwargs) if kwargs else ''}; DTensors take unary elementwise "
         "ufuncs and + - * / ** with their rules. Use x.to_local() for this rank's piece or "
         "x.full_tensor() for the whole array"
     )
@@ -197,9 +221,10 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted({a % ndim for a in axes}))
 
 
-def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, dtype=None, out=None) -> DTensor:
-    if dtype is not None or out is not None:  # what numpy's np.sum(x) passes, as None
-        _fail(f"{name} of a DTensor takes no dtype= or out=; cast the result, or its piece")
+def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, options: dict) -> DTensor:
+    given = [f"{key}=" for key, value in options.items() if value is not None]
+    if given:  # numpy's np.sum(x) passes dtype=None, out=None
+        _fail(f"{name} of a DTensor takes no {', '.join(given)}; apply it to the result")
     axes = _axes(axis, x.ndim)
     if name in ("max", "min") and any(x.shape[a] == 0 for a in axes):
         _fail(f"{name} over an axis of size 0 (shape {x.shape}) has no identity, as in numpy")
@@ -234,12 +259,12 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, dtype=None, out=No
             out = out / count if reduced_sharded else xp.mean(local, axis=axes, keepdims=keepdims)
     else:
         dtype = np.dtype(local.dtype)
-        info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-        identity = (
-            (-np.inf if dtype.kind == "f" else info.min)
-            if name == "max"
-            else (np.inf if dtype.kind == "f" else info.max)
-        )
+        if dtype.kind == "b":
+            identity = name == "min"  # False for max, True for min
+        elif dtype.kind == "f":
+            identity = -np.inf if name == "max" else np.inf
+        else:
+            identity = np.iinfo(dtype).min if name == "max" else np.iinfo(dtype).max
         if any(local.shape[a] == 0 for a in axes):  # an empty piece of an uneven shard
             kept = [1 if d in axes else n for d, n in enumerate(local.shape)]
             out = xp.full(kept, identity, dtype=local.dtype)
@@ -253,20 +278,20 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, dtype=None, out=No
     return DTensor(out, x.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))
 
 
-def sum(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:  # noqa: A001
-    return _reduce("sum", x, axis, keepdims, dtype, out)
+def sum(x: DTensor, axis=None, keepdims: bool = False, **numpy_options) -> DTensor:  # noqa: A001
+    return _reduce("sum", x, axis, keepdims, numpy_options)
 
 
-def mean(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:
-    return _reduce("mean", x, axis, keepdims, dtype, out)
+def mean(x: DTensor, axis=None, keepdims: bool = False, **numpy_options) -> DTensor:
+    return _reduce("mean", x, axis, keepdims, numpy_options)
 
 
-def max(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:  # noqa: A001
-    return _reduce("max", x, axis, keepdims, dtype, out)
+def max(x: DTensor, axis=None, keepdims: bool = False, **numpy_options) -> DTensor:  # noqa: A001
+    return _reduce("max", x, axis, keepdims, numpy_options)
 
 
-def min(x: DTensor, axis=None, keepdims: bool = False, dtype=None, out=None) -> DTensor:  # noqa: A001
-    return _reduce("min", x, axis, keepdims, dtype, out)
+def min(x: DTensor, axis=None, keepdims: bool = False, **numpy_options) -> DTensor:  # noqa: A001
+    return _reduce("min", x, axis, keepdims, numpy_options)
 
 
 # -- matmul ----------------------------------------------------------------------------------
