@@ -8,11 +8,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from pluribus_mpi.env import in_mpi_job, mpiexec_path
 
+#: The environment variable that marks every process of a job a test starts (mpiexec's proxy
+#: and the ranks run in sessions of their own; this is how the harness finds them all).
+JOB_VARIABLE = "PLURIBUS_TEST_JOB"
 #: Seconds a collective may wait in these tests before it raises DistTimeoutError.
 TEST_TIMEOUT = 60.0
 REPO = Path(__file__).resolve().parents[3]
@@ -89,25 +93,26 @@ def run_job(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run ``command`` in a session of its own; whatever is left of it is killed on return,
     and the shared-memory segments an aborted MPICH job leaves behind are removed."""
     segments_before = set(_mpich_segments())
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=clean_env(),
+        env=clean_env(**{JOB_VARIABLE: token}),
         cwd=REPO,
         start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_session(proc.pid)
+        _kill_job(token)
         out, err = proc.communicate()
         raise AssertionError(
             f"{command[:4]}... still running after {timeout:.0f}s; output:\n{out}\n{err}"
         ) from None
     finally:
-        _kill_session(proc.pid)
+        _kill_job(token)
         _remove_orphaned_segments(segments_before)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
@@ -135,8 +140,36 @@ def _remove_orphaned_segments(existing: set[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
-def _kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_job(token: str, seconds: float = 10.0) -> None:
+    """Kill every process of the job that carries ``token`` in its environment, and wait until
+    they are gone. mpiexec's proxy and the ranks each run in a session of their own, so
+    neither the launcher's process group nor its session reaches them; and a killed rank still
+    maps its MPICH segment until the kernel has torn it down, while an orphaned segment is only
+    removed once nothing maps it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = _job_members(token)
+        if not alive or time.monotonic() > deadline:
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+
+
+def _job_members(token: str) -> list[int]:
+    """The processes (zombies aside: they hold no memory) whose environment holds ``token``."""
+    marker = f"{JOB_VARIABLE}={token}".encode()
+    members = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker not in environ.read_bytes().split(b"\0"):
+                continue
+            state = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            members.append(int(environ.parent.name))
+    return members

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mpi_test_support import REPO, mpiexec, outside_mpi_job, run_job, run_mpiexec, run_python
@@ -217,3 +218,37 @@ pb.destroy_process_group()
     assert job.returncode == 0, output
     for r in range(3):
         assert f"rank {r} of 3: 6.0" in output
+
+
+#: a process that leaves its parent's session (as mpiexec's proxy and ranks do) and maps an
+#: MPICH-named segment until it is killed
+_SEGMENT_HOLDER = """
+import mmap, os, sys, time
+os.setsid()
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+held = mmap.mmap(fd, 4096)
+time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_job_past_its_time_is_killed_whole_and_its_segments_removed():
+    segment = f"/dev/shm/mpich_shm_pluribus_test_{time.monotonic_ns()}"
+    parent = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {_SEGMENT_HOLDER!r}, {segment!r}],\n"
+        "                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "time.sleep(30)\n"
+    )
+    with pytest.raises(AssertionError, match="still running after 3s"):
+        run_job([sys.executable, "-c", parent], timeout=3)
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if segment.encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not left, f"processes of the job still running: {left}"
+    assert not Path(segment).exists()
