@@ -241,3 +241,25 @@ def _check_from_local_uneven(sizes):
 @pytest.mark.parametrize("sizes", [(5, 0, 0, 0), (0, 1, 3), (2, 2), (1, 0)])
 def test_from_local_takes_the_sizes_the_ranks_hold(sizes):
     assert run_ranks(_check_from_local_uneven, len(sizes), args=(sizes,)) == [True] * len(sizes)
+
+
+@pytest.mark.timeout(120)
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(cases())
+def test_redistribute_chains_on_a_hybrid_group(counting, case):
+    """The same on a world whose groups carry a cpu and a cuda backend (numpy pieces take the
+    cpu one): the mesh makes its groups from it like from any other."""
+    mesh_shape, shape, chain, donate, noise, seed = case
+    world = math.prod(mesh_shape)
+    args = (mesh_shape, shape, chain, donate, noise, seed, counting)
+    backend = "cpu:threads,cuda:threads"
+    assert run_ranks(_check_chain_on_hybrid, world, args=args, backend=backend) == [True] * world
+
+
+def _check_chain_on_hybrid(*args) -> bool:
+    assert sorted(pb.get_default_group().backends) == ["cpu", "cuda"]
+    return _check_chain(*args)
