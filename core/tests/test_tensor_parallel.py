@@ -288,6 +288,48 @@ def test_sequence_parallel_gpt_equals_the_gpt(world, tokens, counting):
     assert run_ranks(_gpt_sequence_parallel, world, args=(counting, tokens)) == [True] * world
 
 
+def _deep_copies_train_alone(tokens: int, after_a_step: bool):
+    """A deep copy of a sequence-parallel GPT is a model of its own: its gradients reach its
+    own parameters (not the original's), and its reductions keep their own sizes, even when
+    the original then runs another sequence length."""
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    config = nn.GPTConfig(vocab_size=32, n_layer=1, n_head=4, n_embd=32, block_size=8)
+    model = nn.GPT(config, dtype=np.float64, rng=0)
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, transformer_plan(model, sequence_parallel=True))
+    idx = np.random.default_rng(6).integers(0, 32, size=(2, tokens))
+    grad = np.random.default_rng(7).normal(size=(2, tokens, 32))
+    if after_a_step:
+        model.forward(idx)
+        model.backward(grad)
+        model.zero_grad()
+    twin = copy.deepcopy(model)
+    out = twin.forward(idx)
+    model.forward(idx[:, : tokens - 1])  # the original, on another length, in between
+    twin.backward(grad)
+    np.testing.assert_allclose(out, reference.forward(idx), rtol=1e-10, atol=1e-12)
+    reference.backward(grad)
+    for (name, p), (_, q), (_, o) in zip(
+        twin.named_parameters(),
+        reference.named_parameters(),
+        model.named_parameters(),
+        strict=True,
+    ):
+        np.testing.assert_allclose(
+            full_parameter(p, grad=True), q.grad, rtol=1e-9, atol=1e-12, err_msg=name
+        )
+        assert o.grad is None, f"{name}: the copy's gradient reached the original"
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world, tokens", [(2, 8), (4, 7)])
+@pytest.mark.parametrize("after_a_step", [False, True])
+def test_a_deep_copy_of_a_split_model_trains_alone(world, tokens, after_a_step):
+    args = (tokens, after_a_step)
+    assert run_ranks(_deep_copies_train_alone, world, args=args) == [True] * world
+
+
 def _dropout_masks(sequence_parallel: bool):
     mesh = init_device_mesh("cpu", (pb.get_world_size(),))
     config = nn.GPTConfig(vocab_size=32, n_layer=1, n_head=4, n_embd=16, block_size=8, dropout=0.5)

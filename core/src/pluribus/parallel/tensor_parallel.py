@@ -12,6 +12,7 @@ attention block thus costs one all-reduce in forward and one in backward.
 from __future__ import annotations
 
 import fnmatch
+import types
 from typing import Any
 
 import numpy as np
@@ -203,7 +204,8 @@ class ColwiseParallel(ParallelStyle):
 
 
 class _RowwiseLinear(Linear):
-    """A Linear whose partial products are reduced before the bias is added (once)."""
+    """A Linear whose partial products are reduced before the bias is added (once). What the
+    reduction needs lives on the module (no closure over it), so a deep copy reduces its own."""
 
     def forward(self, x: Any) -> Any:
         if x.shape[-1] != self.in_features:
@@ -212,7 +214,9 @@ class _RowwiseLinear(Linear):
                 f"got shape {tuple(x.shape)}"
             )
         self.save_for_backward(input=x)
-        y = self._tp_reduce(x @ self.weight.data.T)
+        y = x @ self.weight.data.T
+        self._tp_output_shape = y.shape  # for the gradient's sizes
+        y = _move(y, self._tp_mesh, Partial(), self._tp_output_layout, self.out_features)
         if self.bias is not None:
             out = self._tp_output_layout
             bias = self.bias.data
@@ -248,14 +252,9 @@ class RowwiseParallel(ParallelStyle):
         module.__class__ = _RowwiseLinear
         sizes, me = split_sizes(features, mesh.size()), mesh.get_local_rank()
         start = sum(sizes[:me])
+        module._tp_mesh = mesh
         module._tp_output_layout = out
         module._tp_output_features = slice(start, start + sizes[me])
-
-        def reduce_output(y):
-            module._tp_output_shape = y.shape  # for the gradient's sizes
-            return _move(y, mesh, Partial(), out, features)
-
-        module._tp_reduce = reduce_output
         if inp != Shard(-1):
             module.register_forward_pre_hook(
                 lambda m, args: (_move(args[0], mesh, inp, Shard(-1), full_in),)
@@ -352,12 +351,13 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         _mark_once(module, mesh, "SequenceParallel")
+
+        def accumulate(param: Parameter, grad: Any) -> None:
+            Parameter.accumulate_grad(param, _move(grad, mesh, Partial(), Replicate(), 0))
+
         for _, param in module.named_parameters():
-
-            def accumulate(grad: Any, param: Parameter = param) -> None:
-                Parameter.accumulate_grad(param, _move(grad, mesh, Partial(), Replicate(), 0))
-
-            param.accumulate_grad = accumulate
+            # a method of the parameter: a deep copy of the model binds it to the copy
+            param.accumulate_grad = types.MethodType(accumulate, param)
         return module
 
 
@@ -372,19 +372,21 @@ class SequenceSharded(ParallelStyle):
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         _mark_once(module, mesh, "SequenceSharded")
-        part, rows = Shard(self.dim), {}
+        part, dim = Shard(self.dim), self.dim
 
-        def whole(x: Any, m=mesh) -> Any:  # the sizes mine() cut
-            return _move(x, m, part, Replicate(), 0, rows["n"])
+        # the length cut goes on the module (``m``), not in the closure, so that a deep copy of
+        # the model keeps its own
+        def mine(m: Module, x: Any) -> Any:
+            m._tp_rows = x.shape[dim]
+            return _move(x, mesh, Replicate(), part, 0)
 
-        def mine(x: Any, m=mesh) -> Any:
-            rows["n"] = x.shape[self.dim]
-            return _move(x, m, Replicate(), part, 0)
+        def whole(m: Module, x: Any) -> Any:  # the sizes mine() cut
+            return _move(x, mesh, part, Replicate(), 0, m._tp_rows)
 
-        module.register_forward_pre_hook(lambda m, args: (mine(args[0]),))
-        module.register_forward_hook(lambda m, args, y: whole(y))
-        module.register_full_backward_pre_hook(lambda m, g: (mine(g[0]),))
-        module.register_full_backward_hook(lambda m, gi, go: (whole(gi[0]),))
+        module.register_forward_pre_hook(lambda m, args: (mine(m, args[0]),))
+        module.register_forward_hook(lambda m, args, y: whole(m, y))
+        module.register_full_backward_pre_hook(lambda m, g: (mine(m, g[0]),))
+        module.register_full_backward_hook(lambda m, gi, go: (whole(m, gi[0]),))
         return module
 
 
