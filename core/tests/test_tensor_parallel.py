@@ -256,14 +256,21 @@ def test_dp_by_tp_training_equals_one_process():
         assert mean == pytest.approx(want_losses[step], rel=1e-9)
 
 
-def _gpt_sequence_parallel(counting: CountingPlugin, tokens: int):
+def _sequence_parallel_gpt(n_layer: int, tokens: int):
+    """A GPT split with sequence parallelism over the world, its unsplit copy, a batch of
+    ``tokens`` tokens and a gradient for the logits."""
     mesh = init_device_mesh("cpu", (pb.get_world_size(),))
-    config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
+    config = nn.GPTConfig(vocab_size=32, n_layer=n_layer, n_head=4, n_embd=32, block_size=8)
     model = nn.GPT(config, dtype=np.float64, rng=0)
     reference = copy.deepcopy(model)
     parallelize_module(model, mesh, transformer_plan(model, sequence_parallel=True))
     idx = np.random.default_rng(6).integers(0, 32, size=(2, tokens))
     grad = np.random.default_rng(7).normal(size=(2, tokens, 32))
+    return model, reference, idx, grad
+
+
+def _gpt_sequence_parallel(counting: CountingPlugin, tokens: int):
+    model, reference, idx, grad = _sequence_parallel_gpt(2, tokens)
     want = reference.forward(idx)
     reference.backward(grad)
     mark = counting.mark(pb.get_rank())
@@ -292,13 +299,7 @@ def _deep_copies_train_alone(tokens: int, after_a_step: bool):
     """A deep copy of a sequence-parallel GPT is a model of its own: its gradients reach its
     own parameters (not the original's), and its reductions keep their own sizes, even when
     the original then runs another sequence length."""
-    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
-    config = nn.GPTConfig(vocab_size=32, n_layer=1, n_head=4, n_embd=32, block_size=8)
-    model = nn.GPT(config, dtype=np.float64, rng=0)
-    reference = copy.deepcopy(model)
-    parallelize_module(model, mesh, transformer_plan(model, sequence_parallel=True))
-    idx = np.random.default_rng(6).integers(0, 32, size=(2, tokens))
-    grad = np.random.default_rng(7).normal(size=(2, tokens, 32))
+    model, reference, idx, grad = _sequence_parallel_gpt(1, tokens)
     if after_a_step:
         model.forward(idx)
         model.backward(grad)
