@@ -102,7 +102,7 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
                     "arithmetic than the value was (bool terms are or-ed, narrow integers wrap)"
                 )
         else:  # max, min: a monotone map of every term; a decreasing one swaps max and min
-            if not (name in ("add", "sub") or (scaled and np.isrealobj(scalar))):
+            if not (name in ("add", "sub") or scaled):  # complex scalars are refused above
                 why = "would change the reduced value"
             elif result.kind != "f":
                 why = f"on {result} terms may wrap around, which is not monotone"

@@ -144,11 +144,12 @@ def _ring_seconds(kind: str, p: int, nbytes: int, cost: CostModel) -> float:
     return (p - 1) * (cost.alpha + nbytes * cost.beta)
 
 
-def _largest_piece(layout: Layout, coordinate, itemsize: int, dim: int, sizes) -> int:
-    """Bytes of the largest piece along tensor dimension ``dim`` cut in ``sizes``, the rest of
-    the piece as this rank holds it (the ranks of one mesh dimension's group hold the same)."""
+def _part_bytes(layout: Layout, coordinate, itemsize: int, cut: dict[int, int]) -> int:
+    """Bytes of a piece of ``layout`` as this rank holds it (the ranks of one mesh dimension's
+    group hold the same elsewhere) with the tensor dimensions in ``cut`` given those sizes."""
     shape = list(layout.local_shape(coordinate))
-    shape[dim] = max(sizes)
+    for dim, size in cut.items():
+        shape[dim] = size
     return math.prod(shape) * itemsize
 
 
@@ -202,20 +203,20 @@ def make_plan(
         if kind == "all_reduce":
             how, calls, seconds = _all_reduce_way(p, before_bytes, writable, cost)
         else:
-            if kind == "all_gather":
-                piece = _largest_piece(state, coordinate, itemsize, p_from.dim, state.sizes[m])
+            if kind == "all_gather":  # each ring step waits for the largest piece
+                cut = {p_from.dim: max(state.sizes[m])}
             elif kind == "reduce_scatter":
-                piece = _largest_piece(after, coordinate, itemsize, target.dim, target_sizes)
-            elif kind == "all_to_all":  # each part: one sender's rows of one receiver's columns
-                part = list(state.local_shape(coordinate))
-                i, j, sent, got = p_from.dim, target.dim, max(state.sizes[m]), max(target_sizes)
-                if i == j:  # the same dimension cut anew: a part is an overlap of two pieces
-                    part[i] = min(sent, got)
+                cut = {target.dim: max(target_sizes)}
+            elif kind == "all_to_all":  # a part: one sender's rows of one receiver's columns
+                sent, got = max(state.sizes[m]), max(target_sizes)
+                if p_from.dim == target.dim:  # the dimension cut anew: overlaps of two pieces
+                    cut = {p_from.dim: min(sent, got)}
                 else:
-                    part[i], part[j] = sent, got
-                piece = math.prod(part) * itemsize
+                    cut = {p_from.dim: sent, target.dim: got}
             else:
-                piece = 0
+                cut = None
+            layout = after if kind == "reduce_scatter" else state
+            piece = 0 if cut is None else _part_bytes(layout, coordinate, itemsize, cut)
             seconds = _ring_seconds(kind, p, piece, cost)
             calls = () if kind.endswith("_local") else ((kind, before_bytes, after_bytes),)
         steps.append(
