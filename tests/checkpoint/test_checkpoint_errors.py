@@ -16,7 +16,7 @@ import pytest
 from ckpt_cases import build_state, random_layout, save_body
 from pluribus import checkpoint
 from pluribus.checkpoint import CheckpointError
-from pluribus.dtensor import Partial, distribute_tensor, init_device_mesh
+from pluribus.dtensor import Partial, Shard, distribute_tensor, init_device_mesh
 from pluribus.testing import RanksFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -224,3 +224,30 @@ def test_one_rank_out_of_space_fails_every_rank_and_removes_the_partial_save(sav
     _every_rank_says(excinfo, "rank 1: writing", "No space left on device")
     assert sorted(os.listdir(os.path.dirname(saved))) == ["c"]
     assert run_ranks(_load_into, 2, args=(saved,))[0]["step"] == 1234
+
+
+def _save_tp_pieces(path, drift):
+    """A DTensor on the tp dimension of a 2 x 2 mesh: each dp replica writes the same boxes.
+    With ``drift`` the second replica's values differ from the first's. Returns the error, caught
+    here: a rank that raised first would abort the others' wait for the outcome."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    whole = np.arange(12.0).reshape(4, 3)
+    if drift and mesh.get_local_rank("dp") == 1:
+        whole = whole + 1.0
+    try:
+        checkpoint.save({"w": distribute_tensor(whole, mesh["tp"], [Shard(0)])}, path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_replicas_that_save_different_values_under_one_key_fail_every_rank(tmp_path):
+    path = str(tmp_path / "c")
+    # equal replicas: one copy kept
+    assert run_ranks(_save_tp_pieces, 4, args=(path, False)) == [None] * 4
+    np.testing.assert_array_equal(checkpoint.read_whole(path)["w"], np.arange(12.0).reshape(4, 3))
+    before = {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)}
+    for error in run_ranks(_save_tp_pieces, 4, args=(path, True)):
+        assert "ranks 0 and 2 save different values for the same piece of 'w'" in error
+    assert {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)} == before
+    assert sorted(os.listdir(tmp_path)) == ["c"]  # no temporary folder left

@@ -86,3 +86,25 @@ def test_bad_input_is_refused_on_every_rank():
     _expect(three_d_mesh, 2, "FSDP takes a 1-d mesh, or a 2-d one")
     _expect(twice, 2, "fully_shard was already applied")
     _expect(different_models, 2, "FSDP needs the same units on every rank")
+
+
+def fsdp_of_a_tensor_parallel_model():
+    """Caught here: a rank that raised first would abort the others while they still split
+    the model (which makes the mesh's groups)."""
+    from pluribus.parallel import MLPParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(6, 4, rng=1), nn.Tanh(), nn.Linear(4, 3, rng=2))
+    parallelize_module(model, mesh["tp"], MLPParallel())
+    try:
+        fully_shard(model, mesh=mesh["dp"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_tensor_parallel_model_is_refused_with_what_to_use_instead():
+    for rank, error in enumerate(run_ranks(fsdp_of_a_tensor_parallel_model, 2, "threads")):
+        assert f"rank {rank}: fully_shard got parameters split by tensor parallelism" in error
+        assert "(0.weight, 0.bias, 2.weight)" in error
+        assert "use DDP over the data-parallel mesh dimension" in error

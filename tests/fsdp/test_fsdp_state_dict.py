@@ -116,3 +116,23 @@ def _reference_optimizer_after(model_name, world, steps):
         opt.zero_grad()
     names = [name for name, _ in model.named_parameters()]
     return dict(zip(names, opt.state, strict=True))
+
+
+def load_from_reversed_mesh_on_rank():
+    """A DTensor on the world's ranks in reverse order: the same layout as the unit's own, other
+    rows on each rank."""
+    from pluribus.dtensor import DeviceMesh, distribute_tensor
+    from pluribus.parallel import fully_shard
+
+    full = np.arange(12.0).reshape(4, 3)
+    model = fully_shard(nn.Sequential(nn.Linear(3, 4, dtype=np.float64, rng=0)))
+    reversed_mesh = DeviceMesh("cpu", list(reversed(range(pluribus.get_world_size()))))
+    state = model.state_dict()
+    state["0.weight"] = distribute_tensor(full, reversed_mesh, [Shard(0)])
+    model.load_state_dict(state)
+    return model.full_state_dict().get("0.weight")
+
+
+def test_a_dtensor_on_a_mesh_of_other_rank_order_loads_its_own_rows():
+    loaded = run_ranks(load_from_reversed_mesh_on_rank, 2, "threads")[0]
+    np.testing.assert_array_equal(loaded, np.arange(12.0).reshape(4, 3))

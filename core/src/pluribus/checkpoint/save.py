@@ -159,11 +159,25 @@ def _metadata(reports: list[dict], world_size: int, checksum: str) -> Metadata:
                     f"ranks disagree on {key!r}: rank 0 saves {list(info.shape)} {info.dtype}, "
                     f"rank {r} {shape} {dtype}"
                 )
-    for report in reports:
+    # A box written twice (the replicas of a DTensor on a mesh that is not the whole world) is
+    # kept once, when both copies hold the same bytes: different ones mean the ranks saved
+    # different values under one key, and keeping either would lose the other unnoticed.
+    kept: dict[tuple, tuple[int, Chunk]] = {}
+    for r, report in enumerate(reports):
         for key, chunk in report["chunks"].items():
             c = Chunk.from_json(chunk)
-            if all((c.offsets, c.sizes) != (o.offsets, o.sizes) for o in tensors[key].chunks):
+            box = (key, c.offsets, c.sizes)
+            if box not in kept:
+                kept[box] = (r, c)
                 tensors[key].chunks.append(c)
+            elif kept[box][1].checksums != c.checksums:
+                raise CheckpointError(
+                    f"ranks {kept[box][0]} and {r} save different values for the same piece of "
+                    f"{key!r} (offsets {list(c.offsets)}, sizes {list(c.sizes)}); the ranks "
+                    "holding it must hold the same values (replicas that drifted apart, or a "
+                    "DTensor on a sub-mesh whose ranks outside it hold another array under this "
+                    "key)"
+                )
     for key, info in tensors.items():
         if not covers_exactly(info):
             raise CheckpointError(

@@ -298,6 +298,16 @@ def fully_shard(
         for piece in inner._fsdp_unit.pieces
     }
     own = [(name, p) for name, p in module.named_parameters() if id(p) not in taken]
+    split = [name for name, p in own if getattr(p, "tp_layout", None) is not None]
+    if split:
+        # its state dict and gradient clipping would take one tensor-parallel rank's piece
+        # for the whole parameter
+        raise ValueError(
+            f"rank {dist.get_rank()}: fully_shard got parameters split by tensor parallelism "
+            f"({', '.join(split[:3])}{', ...' if len(split) > 3 else ''}); FSDP of a "
+            "tensor-parallel model is not supported: use DDP over the data-parallel mesh "
+            "dimension (docs/dtensor.md)"
+        )
     mp = mp_policy or MixedPrecisionPolicy()
     unit = Unit(module, own, mesh, strategy, rules, rules.reshard_after_forward, mp, offload)
     object.__setattr__(module, "_fsdp_unit", unit)

@@ -42,8 +42,9 @@ def sharded_state_dict(model: Any) -> dict[str, Any]:
 
 
 def _local_rows(unit: Any, i: int, value: Any, what: str) -> Any:
-    """This rank's rows of ``value``: a DTensor (any layout of the same global shape) or the
-    whole array."""
+    """This rank's rows of ``value``: a DTensor (any mesh and layout of the same global shape)
+    or the whole array. Its own piece is taken as it is only on the unit's own mesh: on another
+    (the same ranks in another order) the same layout puts other rows on this rank."""
     piece = unit.pieces[i]
     if isinstance(value, DTensor):
         if value.shape != piece.shape:
@@ -51,7 +52,7 @@ def _local_rows(unit: Any, i: int, value: Any, what: str) -> Any:
                 f"rank {dist.get_rank()}: {what} has global shape {value.shape} in the state "
                 f"but {piece.shape} in the model"
             )
-        if value.layout == unit.layout(piece):
+        if value.device_mesh == unit.mesh and value.layout == unit.layout(piece):
             return value.to_local()
         value = value.full_tensor()
     if tuple(value.shape) != piece.shape:
