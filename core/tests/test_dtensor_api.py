@@ -583,6 +583,90 @@ def test_scalars_on_partial_terms_give_the_reduced_values_result_or_refuse():
     assert run_ranks(_scalars_on_partial_terms_body, 4, timeout=40) == [True] * 4
 
 
+def _widened_terms_and_numpy_edges_body():
+    """Where a Partial's terms would change dtype on their way into a DTensor operation, a
+    reduction or a matmul (bool and narrow-int sums reduce in another arithmetic), or a zero
+    term would turn nan: refused on every rank. And numpy's rules at the edges: unsigned sums,
+    half-precision means, bfloat16 max, integer negative powers, numpy-integer and repeated
+    axes, numpy bools, np.matmul."""
+    import ml_dtypes
+
+    mesh = init_device_mesh("cpu", (4,))
+    rank = pb.get_rank()
+    narrow = from_local(np.full((1, 2), 100, np.int8), mesh, [Partial()])  # value wraps in int8
+    halves = distribute_tensor(np.full((1, 2), 0.5), mesh, [Replicate()])
+    weights = distribute_tensor(np.ones((2, 2)), mesh, [Replicate()])
+    wider = from_local(np.full((1, 2), 100, np.int16), mesh, [Partial()])
+    for make, what in (
+        (lambda: narrow * halves, "mul of Partial"),
+        (lambda: narrow + wider, "add of Partial"),
+        (lambda: narrow.sum(), "sum of Partial"),
+        (lambda: narrow.mean(axis=0), "mean of Partial"),
+        (lambda: narrow @ weights, "matmul of Partial"),
+    ):
+        with pytest.raises(ValueError, match=f"{what}.* int8 terms into "):
+            make()
+    rows = np.arange(6.0).reshape(3, 2)  # 3 rows over 4 ranks: rank 3's term is zero
+    column_sums = distribute_tensor(rows, mesh, [Shard(0)]).sum(axis=0)
+    for make in (lambda: column_sums * np.inf, lambda: column_sums / 0.0):
+        with pytest.raises(ValueError, match="zero term nan where the value gives an infinity"):
+            make()
+    np.testing.assert_array_equal((column_sums / np.inf).full_tensor(), [0.0, 0.0])
+    small = np.arange(12, dtype=np.uint8).reshape(4, 3)
+    total = distribute_tensor(small, mesh, [Shard(0)]).sum()
+    assert total.dtype == np.int64 and total.full_tensor() == small.sum()
+    big = np.full((200, 1000), 1000, np.float16)  # a piece's float16 sum overflows
+    mean = distribute_tensor(big, mesh, [Shard(0)]).mean()
+    assert mean.dtype == np.float16 and mean.full_tensor() == big.mean() == 1000
+    bf16 = np.array([[-1, 2], [3, -4], [5, 6]], ml_dtypes.bfloat16)
+    peaks = distribute_tensor(bf16, mesh, [Shard(0)]).max(axis=0)
+    np.testing.assert_array_equal((-peaks).full_tensor(), -bf16.max(axis=0))
+    assert distribute_tensor(bf16, mesh, [Replicate()]).min().full_tensor() == -4
+    ints = distribute_tensor(np.arange(1, 4).reshape(3, 1), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="int64 to the negative integer power -1"):
+        ints**-1  # rank 3's piece is empty: numpy alone would not raise there
+    split = distribute_tensor(rows, mesh, [Shard(0)])
+    np.testing.assert_array_equal(split.sum(axis=np.int64(1)).full_tensor(), rows.sum(axis=1))
+    with pytest.raises(ValueError, match=r"axis \(0, 0\) repeats an axis"):
+        split.sum(axis=(0, 0))
+    np.testing.assert_array_equal((split * np.True_).full_tensor(), rows)
+    np.testing.assert_array_equal(np.matmul(split, weights).full_tensor(), rows @ np.ones((2, 2)))
+    return rank
+
+
+def test_widened_partial_terms_are_refused_and_numpy_edges_follow_numpy():
+    assert run_ranks(_widened_terms_and_numpy_edges_body, 4, timeout=40) == [0, 1, 2, 3]
+
+
+def _copies_and_transposes_own_their_pieces_body():
+    """A transpose's piece and a copy's are their own: donating either leaves the source as it
+    was. A deep copy after an asynchronous redistribute (whose work holds locks) works, and
+    placements that are not a sequence of placements get the same error as from_local's."""
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(np.arange(4.0), mesh, [Partial()])
+    x.T.redistribute(placements=[Replicate()], donate=True)
+    copy.copy(x).redistribute(placements=[Replicate()], donate=True)
+    np.testing.assert_array_equal(x.full_tensor(), np.arange(4.0))
+    pending = x.redistribute(placements=[Replicate()], async_op=True)
+    twin = copy.deepcopy(pending)
+    np.testing.assert_array_equal(twin.to_local(), np.arange(4.0))
+    np.testing.assert_array_equal(copy.deepcopy(x).full_tensor(), np.arange(4.0))
+    errors = []
+    for bad in (Shard(0), [[Shard(0)]]):
+        with pytest.raises(TypeError) as refused:
+            x.redistribute(placements=bad)
+        errors.append(str(refused.value))
+    return errors
+
+
+def test_copies_and_transposes_own_their_pieces():
+    for rank, errors in enumerate(run_ranks(_copies_and_transposes_own_their_pieces_body, 2)):
+        assert errors == [
+            f"rank {rank}: placements Shard(0) must be a sequence, one per mesh dimension",
+            f"rank {rank}: placement [Shard(0)] is not a Shard, Replicate or Partial",
+        ]
+
+
 def _donating_the_source_of_a_pending_redistribute_body():
     """A pending redistribute on one mesh dimension's group reads its source's piece in the
     background; donating the source to a redistribute on the other dimension's group (which

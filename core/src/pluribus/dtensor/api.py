@@ -107,6 +107,17 @@ class DTensor:
             )
         return self._local
 
+    def __deepcopy__(self, memo: dict) -> DTensor:
+        """A DTensor of its own: a copy of the piece (a pending one waited for) on the same mesh
+        and layout, with no redistribute in flight (whose works hold locks that cannot be
+        copied) and none reading it."""
+        return DTensor(self.to_local().copy(), self._mesh, self._layout)
+
+    def __copy__(self) -> DTensor:
+        """As numpy's ``copy.copy`` of an array: the piece copied (two DTensors never share
+        one, which a donation of either would write over)."""
+        return self.__deepcopy__({})
+
     def full_tensor(self) -> Any:
         """The whole array on every rank (an all-gather or all-reduce per non-replicated mesh
         dimension)."""
@@ -123,7 +134,7 @@ class DTensor:
     ) -> Plan:
         """What :meth:`redistribute` to ``placements`` (with the same ``donate``) will do: steps,
         the collectives each calls with their bytes, predicted time."""
-        plan = self._planned(tuple(placements), donate)[1][0]
+        plan = self._planned(placements, donate)[1][0]
         if cost is not None and cost != DEFAULT_COST:
             plan = make_plan(
                 plan.src, plan.dst, self._mesh.shape, self._mesh.coordinate,
@@ -131,15 +142,24 @@ class DTensor:
             )  # fmt: skip
         return plan
 
-    def _planned(self, placements: tuple[Placement, ...], donate: bool) -> tuple[tuple, list]:
-        """The cache key of a redistribute to ``placements`` and its entry in the mesh's plan
-        cache, ``[plan, run]``: ``run``, the compiled plan, is None until the first redistribute
-        (compiling looks up the mesh's groups, which may create them, collectively; a plan alone
-        must not communicate)."""
+    def _planned(self, given: Sequence[Placement], donate: bool) -> tuple[tuple, list]:
+        """The cache key of a redistribute to the placements ``given`` and its entry in the
+        mesh's plan cache, ``[plan, run]``: ``run``, the compiled plan, is None until the first
+        redistribute (compiling looks up the mesh's groups, which may create them, collectively;
+        a plan alone must not communicate)."""
         mesh = self._mesh
         local = self.to_local()
+        try:
+            placements = tuple(given)
+        except TypeError:  # the same on every rank: it depends on the arguments only
+            raise TypeError(
+                f"rank {_rank()}: placements {given!r} must be a sequence, one per mesh dimension"
+            ) from None
         key = (self._layout, placements, type(local), local.dtype, donate)
-        entry = mesh.plan_cache.get(key)
+        try:
+            entry = mesh.plan_cache.get(key)
+        except TypeError:  # an unhashable placement, which normalize_placements names
+            entry = None
         if entry is None:
             targets = normalize_placements(placements, self.ndim, mesh.shape, _rank(), local.dtype)
             dst = default_layout(self.shape, targets, mesh.shape)
@@ -154,7 +174,7 @@ class DTensor:
         """The plan to the placements ``given`` and the function that runs it (compiled here the
         first time), remembered on this layout as its last redistribute, which a repeated
         :meth:`redistribute` checks first; None for a plan with no step."""
-        key, entry = self._planned(tuple(given), donate)
+        key, entry = self._planned(given, donate)
         plan, run = entry
         if not plan.steps:  # nothing moves: redistribute hands back this DTensor
             return plan, None

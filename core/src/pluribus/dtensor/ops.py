@@ -8,11 +8,13 @@ that would make one apply (placements never change behind the user's back).
 from __future__ import annotations
 
 import builtins
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ..arrays import bfloat16_dtype
 from ..nn.module import array_namespace
 from .api import DTensor, _rank
 from .layout import Layout
@@ -36,7 +38,29 @@ def _same_mesh(a: DTensor, b: DTensor, what: str) -> None:
 
 
 def _scalar(x: Any) -> bool:
-    return isinstance(x, (int, float, np.number)) or (isinstance(x, np.ndarray) and x.ndim == 0)
+    return isinstance(x, (int, float, np.number, np.bool_)) or (
+        isinstance(x, np.ndarray) and x.ndim == 0
+    )
+
+
+def _is_float(dtype: Any) -> bool:
+    """Floating point, bfloat16 included (ml_dtypes gives it numpy's kind "V")."""
+    dtype = np.dtype(dtype)
+    bf16 = bfloat16_dtype()
+    return dtype.kind == "f" or (bf16 is not None and dtype == bf16)
+
+
+def _refuse_widened(p: Partial, m: int, source: Any, result: Any, what: str) -> None:
+    """A sum's terms of bool or narrow integers turned into a wider dtype are reduced in
+    another arithmetic than the value was (bool terms are or-ed, narrow integers wrap): the
+    result would not be the operation applied to the value."""
+    source, result = np.dtype(source), np.dtype(result)
+    if result != source and (source.kind == "b" or (source.kind in "iu" and source.itemsize < 8)):
+        _fail(
+            f"{what} of {p!r} (mesh dimension {m}) would turn its {source} terms into {result}, "
+            "reduced in another arithmetic than the value was (bool terms are or-ed, narrow "
+            "integers wrap); redistribute to Replicate first"
+        )
 
 
 # -- elementwise -----------------------------------------------------------------------------
@@ -74,8 +98,15 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
                     f"{name} of {pa!r} and {pb!r} on mesh dimension {m} has no local rule; "
                     "redistribute the operands to equal placements (Partial to Replicate) first"
                 )
+        la, lb = a.to_local(), b.to_local()
+        xp = array_namespace(la)
+        result = fn(xp.empty(0, la.dtype), xp.empty(0, lb.dtype)).dtype  # no arithmetic
+        for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
+            for p, operand in ((pa, la), (pb, lb)):
+                if isinstance(p, Partial):
+                    _refuse_widened(p, m, operand.dtype, result, name)
         layout = Layout(a.shape, tuple(placements), a.layout.sizes)
-        return DTensor(fn(a.to_local(), b.to_local()), a.device_mesh, layout)
+        return DTensor(fn(la, lb), a.device_mesh, layout)
     x, scalar = (a, b) if isinstance(a, DTensor) else (b, a)
     if isinstance(scalar, complex) or (_scalar(scalar) and np.iscomplexobj(scalar)):
         _fail(f"{name} of a DTensor and a complex scalar: the collectives carry no complex arrays")
@@ -94,17 +125,14 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
         if p.op in _LINEAR:  # a shift would be added once per term of a sum
             if not (scaled or (p.op == "avg" and name in ("add", "sub"))):
                 why = "would change the reduced value"
-            elif result != source and (
-                source.kind == "b" or (source.kind in "iu" and source.itemsize < 8)
-            ):
-                why = (
-                    f"would turn its {source} terms into {result}, reduced in another "
-                    "arithmetic than the value was (bool terms are or-ed, narrow integers wrap)"
-                )
+            elif (name == "mul" and np.isinf(scalar)) or (name == "div" and scalar == 0):
+                why = "would make a zero term nan where the value gives an infinity"
+            else:
+                _refuse_widened(p, m, source, result, f"{name} with a scalar")
         else:  # max, min: a monotone map of every term; a decreasing one swaps max and min
             if not (name in ("add", "sub") or scaled):  # complex scalars are refused above
                 why = "would change the reduced value"
-            elif result.kind != "f":
+            elif not _is_float(result):
                 why = f"on {result} terms may wrap around, which is not monotone"
             elif not np.isfinite(scalar) or (scaled and scalar == 0):
                 why = "that is not finite and nonzero meets an empty piece's -inf or inf"
@@ -141,7 +169,7 @@ def neg(x: DTensor) -> DTensor:
     """``-x``: negating the terms of a max gives the min of the negated terms (of floats:
     integers wrap, and an empty piece's term is the dtype's smallest)."""
     for m, p in enumerate(x.placements):
-        if isinstance(p, Partial) and p.op in _FLIP and np.dtype(x.dtype).kind != "f":
+        if isinstance(p, Partial) and p.op in _FLIP and not _is_float(x.dtype):
             _fail(
                 f"negating {p!r} (mesh dimension {m}) of {x.dtype} terms: integers wrap around; "
                 "redistribute to Replicate first"
@@ -170,6 +198,9 @@ def power(x: DTensor, exponent: Any) -> DTensor:
     nonlinear function)."""
     if not isinstance(x, DTensor) or not _scalar(exponent):
         _fail("a power of DTensors takes a DTensor base and a scalar exponent")
+    if np.dtype(x.dtype).kind in "iu" and np.asarray(exponent).dtype.kind in "iu" and exponent < 0:
+        # numpy raises only where the piece is not empty: refuse on every rank
+        _fail(f"{x.dtype} to the negative integer power {exponent}: use a float exponent")
 
     def power(local):
         return local**exponent
@@ -177,35 +208,14 @@ def power(x: DTensor, exponent: Any) -> DTensor:
     return elementwise(power, x)
 
 
-#: numpy's ufuncs with a placement rule of their own; any other unary one is ``elementwise``
-_UFUNC_RULES = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide: div,
-                np.negative: neg, np.power: power}  # fmt: skip
-
-
-def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DTensor:
-    """A numpy ufunc called on DTensors (``np.exp(x)``, ``np.float32(2) * x``, ``x + a
-    numpy scalar``), by the rules above; anything else is refused, not run on the pieces."""
-    rule = _UFUNC_RULES.get(ufunc)
-    if method == "__call__" and not kwargs:
-        if rule is not None and len(inputs) == ufunc.nin:
-            return rule(*inputs)
-        if ufunc.nin == 1 and ufunc.nout == 1:
-            return elementwise(ufunc, inputs[0])
-    raise TypeError(
-        f"rank {_rank()}: numpy's {ufunc.__name__}"
-        f"{'' if method == '__call__' else '.' + method} on a DTensor has no placement rule"
-        f"{' with ' + ', '.join(kwargs) if kwargs else ''}; DTensors take unary elementwise "
-        "ufuncs and + - * / ** with their rules. Use x.to_local() for this rank's piece or "
-        "x.full_tensor() for the whole array"
-    )
-
-
 def transpose(x: DTensor) -> DTensor:
     """Reverse the dimensions (``x.T``)."""
     n = x.ndim
     placements = tuple(Shard(n - 1 - p.dim) if isinstance(p, Shard) else p for p in x.placements)
     layout = Layout(tuple(reversed(x.shape)), placements, x.layout.sizes)
-    return DTensor(x.to_local().T, x.device_mesh, layout)
+    # a copy: the transpose of a 1-d or (n, 1) piece is a contiguous view, which the new
+    # DTensor would share with x (and a donation of either would write over the other)
+    return DTensor(x.to_local().T.copy(), x.device_mesh, layout)
 
 
 # -- reductions ------------------------------------------------------------------------------
@@ -214,11 +224,23 @@ def transpose(x: DTensor) -> DTensor:
 def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    try:
+        axes = (operator.index(axis),)
+    except TypeError:
+        axes = tuple(operator.index(a) for a in axis)
     for a in axes:
         if not -ndim <= a < ndim:
             _fail(f"axis {a} does not exist in a {ndim}-d DTensor")
-    return tuple(sorted({a % ndim for a in axes}))
+    if len({a % ndim for a in axes}) != len(axes):
+        _fail(f"axis {axis} repeats an axis (numpy refuses it too)")
+    return tuple(sorted(a % ndim for a in axes))
+
+
+def _sum_dtype(name: str, dtype: Any) -> Any:
+    """The dtype a sum accumulates in: numpy's, except unsigned integers, which numpy sums as
+    uint64 (no collective carries it) and which sum here as int64 (the same bits); None:
+    numpy's choice."""
+    return np.int64 if name == "sum" and np.dtype(dtype).kind == "u" else None
 
 
 def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, options: dict) -> DTensor:
@@ -242,6 +264,14 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, options: dict) -> 
             placements.append(Shard(dim))
         elif isinstance(p, Partial):
             if (name in ("sum", "mean") and p.op in _LINEAR) or p.op == name:
+                if name in ("sum", "mean"):
+                    one = np.zeros(1, x.dtype)  # the reduction's dtype, from numpy's rule
+                    made = (
+                        np.sum(one, dtype=_sum_dtype(name, x.dtype))
+                        if name == "sum"
+                        else np.mean(one)
+                    )
+                    _refuse_widened(p, m, x.dtype, made.dtype, name)
                 placements.append(p)
             else:
                 _fail(
@@ -252,16 +282,23 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, options: dict) -> 
             placements.append(p)
     local = x.to_local()
     xp = array_namespace(local)
-    if name in ("sum", "mean"):
-        out = xp.sum(local, axis=axes, keepdims=keepdims)
-        if name == "mean":
-            count = int(np.prod([x.shape[a] for a in axes]))
-            out = out / count if reduced_sharded else xp.mean(local, axis=axes, keepdims=keepdims)
+    if name == "sum":
+        out = xp.sum(local, axis=axes, keepdims=keepdims, dtype=_sum_dtype(name, local.dtype))
+    elif name == "mean" and reduced_sharded:  # each term: the piece's sum over the whole count
+        count = int(np.prod([x.shape[a] for a in axes]))
+        narrow = _is_float(local.dtype) and np.dtype(local.dtype).itemsize < 4
+        # numpy sums half-precision in float32 for a mean; so does each term
+        out = xp.sum(local, axis=axes, keepdims=keepdims, dtype=np.float32 if narrow else None)
+        out = out / count
+        if narrow:
+            out = out.astype(local.dtype)
+    elif name == "mean":
+        out = xp.mean(local, axis=axes, keepdims=keepdims)
     else:
         dtype = np.dtype(local.dtype)
         if dtype.kind == "b":
             identity = name == "min"  # False for max, True for min
-        elif dtype.kind == "f":
+        elif _is_float(dtype):
             identity = -np.inf if name == "max" else np.inf
         else:
             identity = np.iinfo(dtype).min if name == "max" else np.iinfo(dtype).max
@@ -338,4 +375,34 @@ def matmul(a: DTensor, b: DTensor) -> DTensor:
                 "on both) first"
             )
     out = a.to_local() @ b.to_local()
+    for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
+        for p, operand in ((pa, a), (pb, b)):
+            if isinstance(p, Partial):
+                _refuse_widened(p, m, operand.dtype, out.dtype, "matmul")
     return DTensor(out, a.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))
+
+
+# -- numpy's ufuncs --------------------------------------------------------------------------
+
+
+#: numpy's ufuncs with a placement rule of their own; any other unary one is ``elementwise``
+_UFUNC_RULES = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide: div,
+                np.negative: neg, np.power: power, np.matmul: matmul}  # fmt: skip
+
+
+def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DTensor:
+    """A numpy ufunc called on DTensors (``np.exp(x)``, ``np.float32(2) * x``, ``x + a
+    numpy scalar``), by the rules above; anything else is refused, not run on the pieces."""
+    rule = _UFUNC_RULES.get(ufunc)
+    if method == "__call__" and not kwargs:
+        if rule is not None and len(inputs) == ufunc.nin:
+            return rule(*inputs)
+        if ufunc.nin == 1 and ufunc.nout == 1:
+            return elementwise(ufunc, inputs[0])
+    raise TypeError(
+        f"rank {_rank()}: numpy's {ufunc.__name__}"
+        f"{'' if method == '__call__' else '.' + method} on a DTensor has no placement rule"
+        f"{' with ' + ', '.join(kwargs) if kwargs else ''}; DTensors take unary elementwise "
+        "ufuncs and + - * / ** with their rules. Use x.to_local() for this rank's piece or "
+        "x.full_tensor() for the whole array"
+    )
