@@ -14,7 +14,7 @@ import numpy as np
 import pluribus as pb
 import pytest
 from ckpt_cases import build_state, random_layout, save_body
-from pluribus import checkpoint
+from pluribus import checkpoint, nn
 from pluribus.checkpoint import CheckpointError
 from pluribus.dtensor import Partial, Shard, distribute_tensor, init_device_mesh
 from pluribus.testing import RanksFailed, run_ranks
@@ -251,3 +251,27 @@ def test_replicas_that_save_different_values_under_one_key_fail_every_rank(tmp_p
         assert "ranks 0 and 2 save different values for the same piece of 'w'" in error
     assert {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)} == before
     assert sorted(os.listdir(tmp_path)) == ["c"]  # no temporary folder left
+
+
+def _save_split_parameter(path):
+    """A tensor-parallel model's state dict: each rank's piece of a split weight, a plain array
+    of one shape on every rank."""
+    from pluribus.parallel import MLPParallel, parallelize_module
+
+    model = nn.Sequential(nn.Linear(6, 4, rng=1), nn.Tanh(), nn.Linear(4, 3, rng=2))
+    parallelize_module(model, init_device_mesh("cpu", (2,)), MLPParallel())
+    try:
+        checkpoint.save({"model": model.state_dict()}, path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_plain_array_that_differs_between_ranks_is_refused_before_writing(saved):
+    before = {n: os.path.getmtime(os.path.join(saved, n)) for n in os.listdir(saved)}
+    for rank, error in enumerate(run_ranks(_save_split_parameter, 2, args=(saved,))):
+        assert error.startswith(f"rank {rank}: nothing was saved to {saved}: the array ")
+        assert "differs between ranks 0 and 1" in error
+        assert "save full_parameter(p) or a DTensor" in error
+    assert {n: os.path.getmtime(os.path.join(saved, n)) for n in os.listdir(saved)} == before
+    assert sorted(os.listdir(os.path.dirname(saved))) == ["c"]  # no temporary folder left
