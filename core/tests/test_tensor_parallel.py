@@ -16,6 +16,7 @@ from pluribus.parallel import (
     ColwiseParallel,
     DistributedDataParallel,
     RowwiseParallel,
+    clip_grad_norm_,
     full_parameter,
     parallelize_module,
     transformer_plan,
@@ -214,7 +215,20 @@ def test_heads_that_do_not_split_are_refused_on_every_rank():
     assert all("3 heads do not split evenly over 2 ranks" in e.message for e in failed.value.errors)
 
 
-def _train_gpt(dp: int, tp: int, steps: int):
+def _clip_whole(parameters, max_norm: float, norm_type: float) -> float:
+    """The oracle: clipping whole gradients in one process, by the formula."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if np.isinf(norm_type):
+        norm = max(float(np.abs(g).max()) for g in grads)
+    else:
+        norm = sum(float((np.abs(g) ** norm_type).sum()) for g in grads) ** (1 / norm_type)
+    if norm > max_norm:
+        for g in grads:
+            g *= max_norm / (norm + 1e-6)
+    return norm
+
+
+def _train_gpt(dp: int, tp: int, steps: int, clip: tuple[float, float] | None = None):
     config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
     model = nn.GPT(config, dtype=np.float64, rng=0)
     rank = pb.get_rank() if pb.is_initialized() else 0
@@ -228,18 +242,52 @@ def _train_gpt(dp: int, tp: int, steps: int):
         wrapped, me = model, 0
     opt = nn.AdamW(model.parameters(), lr=1e-2)
     loss_fn = nn.CrossEntropyLoss()
-    losses = []
+    losses, norms = [], []
     per = 4 // dp
     for step in range(steps):
         batch = data[step, per * me : per * (me + 1)]
         logits = wrapped.forward(batch[:, :-1])
         loss = loss_fn.forward(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
         wrapped.backward(loss_fn.backward().reshape(logits.shape))
+        if clip is not None:
+            clipping = clip_grad_norm_ if dp * tp > 1 else _clip_whole
+            norms.append(clipping(model.parameters(), *clip))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     del rank
-    return losses, {n: full_parameter(p) for n, p in model.named_parameters()}
+    params = {n: full_parameter(p) for n, p in model.named_parameters()}
+    return (losses, params, norms) if clip is not None else (losses, params)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm_type", [2.0, np.inf])
+def test_gradient_clipping_of_a_split_model_equals_one_process(norm_type):
+    clip = (0.05, norm_type)
+    want_losses, want_params, want_norms = _train_gpt(1, 1, 3, clip)
+    assert min(want_norms) > 0.05  # every step clips
+    for _, params, norms in run_ranks(_train_gpt, 4, args=(2, 2, 3, clip)):
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-9)
+        for name, value in params.items():
+            np.testing.assert_allclose(value, want_params[name], rtol=1e-7, atol=1e-9, err_msg=name)
+
+
+def _clip_of_fsdp():
+    from pluribus.parallel import fully_shard
+
+    model = fully_shard(nn.Linear(4, 4, rng=0))
+    try:
+        clip_grad_norm_(model.parameters(), 1.0)
+    except ValueError as e:
+        return str(e)
+
+
+def test_gradient_clipping_refuses_fsdp_parameters():
+    for rank, error in enumerate(run_ranks(_clip_of_fsdp, 2)):
+        assert error == (
+            f"rank {rank}: clip_grad_norm_ got a parameter that FSDP shards; use the FSDP "
+            "model's own model.clip_grad_norm_(max_norm)"
+        )
 
 
 @pytest.mark.timeout(120)

@@ -132,6 +132,58 @@ def full_parameter(param: Parameter, grad: bool = False) -> Any:
     return xp.concatenate(parts, axis=dim)
 
 
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> float:
+    """torch's ``clip_grad_norm_`` for a tensor-parallel model (any ``pluribus.nn``
+    parameters): the norm of the whole gradients, a split parameter's pieces summed (for the
+    infinity norm, maxed) over its mesh, so that every rank scales by the same factor and the
+    replicated parameters stay equal; returns that norm, of the gradients before clipping.
+    Under DDP, call it after backward (the gradients are already averaged). Collective over
+    each tensor-parallel mesh: every rank passes its parameters in the same order."""
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(
+            f"rank {dist.get_rank()}: clip_grad_norm_ takes norm_type > 0 or inf, got {norm_type}"
+        )
+    infinite = np.isinf(p)
+
+    def combine(a: float, b: float) -> float:
+        return max(a, b) if infinite else a + b
+
+    whole = 0.0  # parameters that are not split: the same gradient on every rank
+    split: dict[DeviceMesh, list] = {}  # mesh -> [its pieces' part, an array namespace]
+    grads = []
+    for param in parameters:
+        if getattr(param, "sharded_by_fsdp", False):
+            raise ValueError(
+                f"rank {dist.get_rank()}: clip_grad_norm_ got a parameter that FSDP shards; "
+                "use the FSDP model's own model.clip_grad_norm_(max_norm)"
+            )
+        g = param.grad
+        if g is None:
+            continue
+        grads.append(g)
+        magnitude = abs(g.astype(np.float64))
+        part = 0.0 if g.size == 0 else float(magnitude.max() if infinite else (magnitude**p).sum())
+        layout = getattr(param, "tp_layout", None)
+        if layout is None:
+            whole = combine(whole, part)
+        else:
+            entry = split.setdefault(layout[0], [0.0, array_namespace(g)])
+            entry[0] = combine(entry[0], part)
+    total = whole
+    for mesh, (part, xp) in split.items():  # in the parameters' order: alike on every rank
+        buffer = xp.asarray([part], dtype=np.float64)
+        op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+        dist.all_reduce(buffer, op=op, group=mesh.get_group())
+        total = combine(total, float(buffer[0]))
+    norm = total if infinite else total ** (1.0 / p)
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g *= coefficient
+    return norm
+
+
 class ParallelStyle:
     """How to split one module over a 1-d mesh; ``parallelize_module`` applies it."""
 

@@ -42,6 +42,7 @@ class _Piece:
                 "parameters on their first dimension: give it shape (1,)"
             )
         self.name, self.param = name, param
+        param.sharded_by_fsdp = True  # for clip_grad_norm_ of other models, which refuses it
         self.shape = tuple(int(s) for s in param.data.shape)
         self.row_numel = int(np.prod(self.shape[1:], dtype=np.int64))
         self.sizes = split_sizes(self.shape[0], n)
