@@ -320,6 +320,13 @@ def test_a_repeated_redistribute_reuses_a_plan_only_for_the_same_target_array_an
     assert run_ranks(_last_plan_body, 2, timeout=40) == [True] * 2
 
 
+class _DeviceArray(np.ndarray):
+    """Taken for a device array: its module's name starts with cupy."""
+
+
+_DeviceArray.__module__ = "cupy_stand_in"
+
+
 def _errors(case):
     rank = pb.get_rank()
     mesh = init_device_mesh("cpu", (2,))
@@ -334,6 +341,11 @@ def _errors(case):
         from_local(np.zeros((2, 2) + (2,) * rank), mesh, [Shard(2)])
     elif case == "from_local placements":
         from_local(np.zeros((2, 2)), mesh, [Shard(1 - rank)])
+    elif case == "from_local shape":  # one rank's shape= is wrong
+        from_local(np.zeros((2, 2)), mesh, [Shard(0)], shape=(5, 2) if rank == 0 else None)
+    elif case == "from_local device":  # a device array on rank 0 (device_of reads the module)
+        piece = np.zeros((2, 2))
+        from_local(piece.view(_DeviceArray) if rank == 0 else piece, mesh, [Shard(0)])
     elif case == "from_local refused":  # the same bad placements on every rank
         from_local(np.zeros((2, 2)), mesh, [Shard(0), Replicate()])
     elif case == "two meshes":
@@ -378,6 +390,8 @@ def _errors(case):
         ("from_local ndim", [0, 1], "from_local: rank 0 has a 2-d piece, rank 1 a 3-d one"),
         ("from_local placements", [0, 1], r"rank 0 passes placements \[Shard\(1\)\], rank 1"),
         ("from_local refused", [0, 1], "2 placements .* for a mesh of 1 dimensions"),
+        ("from_local shape", [0, 1], r"rank 0 passes shape=\(5, 2\) but the ranks' pieces make"),
+        ("from_local device", [0, 1], "rank 0 holds a cuda array, rank 1 a cpu one"),
         ("two meshes", [0, 1], "mixes DTensors of two meshes"),
         ("not in mesh", [0, 1], "must hold every rank of the world 0..1"),
         ("mesh shape", [0, 1], r"mesh shape \(3,\) holds 3 ranks but the world has 2"),
@@ -583,6 +597,18 @@ def test_scalars_on_partial_terms_give_the_reduced_values_result_or_refuse():
     assert run_ranks(_scalars_on_partial_terms_body, 4, timeout=40) == [True] * 4
 
 
+class _Device0d:
+    """A device library's 0-d array: no numpy array, but ``get()`` copies it to the host."""
+
+    ndim = 0
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def get(self):
+        return np.asarray(self.value, np.float32)
+
+
 def _widened_terms_and_numpy_edges_body():
     """Where a Partial's terms would change dtype on their way into a DTensor operation, a
     reduction or a matmul (bool and narrow-int sums reduce in another arithmetic), or a zero
@@ -631,6 +657,9 @@ def _widened_terms_and_numpy_edges_body():
         split.sum(axis=(0, 0))
     np.testing.assert_array_equal((split * np.True_).full_tensor(), rows)
     np.testing.assert_array_equal(np.matmul(split, weights).full_tensor(), rows @ np.ones((2, 2)))
+    # a device library's 0-d array (a reduction's result) is a scalar, copied to the host
+    np.testing.assert_array_equal((split / _Device0d(4.0)).full_tensor(), rows / 4)
+    np.testing.assert_array_equal((split ** _Device0d(2.0)).full_tensor(), rows**2)
     return rank
 
 

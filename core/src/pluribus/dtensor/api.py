@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .. import distributed as dist
+from ..arrays import device_of
 from ..mesh import DeviceMesh
 from ..nn.module import array_namespace
 from .layout import Layout, default_layout, normalize_placements
@@ -451,19 +452,28 @@ def _checked_layout(local, mesh: DeviceMesh, given, shape) -> Layout:
             placements = normalize_placements(given, local.ndim, mesh.shape, me, local.dtype)
         except (TypeError, ValueError) as exc:
             refused = (type(exc).__name__, str(exc))
+    asked = None  # the shape= this rank was given, checked on every rank
+    if shape is not None:
+        try:
+            asked = tuple(int(n) for n in shape)
+        except (TypeError, ValueError):
+            refused = refused or ("TypeError", f"rank {me}: shape={shape!r} is not a shape")
     # placements travel as their repr: the object collectives carry plain data only
     names = tuple(repr(p) for p in given)
-    info = [(me, mesh.coordinate, tuple(local.shape), str(local.dtype), names, refused)]
+    piece = (tuple(local.shape), str(local.dtype), names, device_of(local), asked)
+    info = [(me, mesh.coordinate, *piece, refused)]
     for m in range(mesh.ndim):
         gathered = dist.all_gather_object(info, group=mesh.get_group(m))
         info = [item for part in gathered for item in part]
-    by_coord = {coord: (r, s, dt, pl) for r, coord, s, dt, pl, _ in info}
+    by_coord = {coord: (r, s, dt, pl) for r, coord, s, dt, pl, *_ in info}
 
     def fail(message: str):
         raise ValueError(f"rank {me}: from_local: {message}")
 
     first = info[0]
-    for r, _, s, dt, pl, _ in info:
+    for r, _, s, dt, pl, device, _, _ in info:
+        if device != first[5]:  # the plans would wait in different backends
+            fail(f"rank {first[0]} holds a {first[5]} array, rank {r} a {device} one")
         if pl != first[4]:
             fail(
                 f"rank {first[0]} passes placements [{', '.join(first[4])}], rank {r} "
@@ -503,11 +513,12 @@ def _checked_layout(local, mesh: DeviceMesh, given, shape) -> Layout:
             per.setdefault(k, (r, s[d]))
         sizes[m] = tuple(per[k][1] for k in range(mesh.shape[m]))
         global_shape[d] = sum(sizes[m])
-    if shape is not None and tuple(shape) != tuple(global_shape):
-        fail(
-            f"shape={tuple(shape)} but the ranks' pieces make {tuple(global_shape)} "
-            f"(pieces: {sorted((r, s) for r, _, s, *_ in info)})"
-        )
+    for r, *_, asked, _ in info:
+        if asked is not None and asked != tuple(global_shape):
+            fail(
+                f"rank {r} passes shape={asked} but the ranks' pieces make "
+                f"{tuple(global_shape)} (pieces: {sorted((r, s) for r, _, s, *_ in info)})"
+            )
     return Layout(tuple(global_shape), placements, tuple(sizes))
 
 

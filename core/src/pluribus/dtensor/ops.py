@@ -37,10 +37,20 @@ def _same_mesh(a: DTensor, b: DTensor, what: str) -> None:
         )
 
 
-def _scalar(x: Any) -> bool:
-    return isinstance(x, (int, float, np.number, np.bool_)) or (
-        isinstance(x, np.ndarray) and x.ndim == 0
-    )
+_NOT_A_SCALAR = object()
+
+
+def _host_scalar(x: Any) -> Any:
+    """``x`` as a host scalar that meets any piece: Python and numpy scalars as they are, a 0-d
+    array of numpy or of a device library as a numpy scalar of its dtype (cupy takes no numpy
+    arrays, and its reductions give 0-d arrays; the copy to the host is the same on every
+    rank); ``_NOT_A_SCALAR`` for anything else."""
+    if isinstance(x, (int, float, complex, np.generic)):
+        return x
+    if getattr(x, "ndim", None) == 0 and not isinstance(x, DTensor):
+        host = x if isinstance(x, np.ndarray) else getattr(x, "get", lambda: x)()
+        return np.asarray(host)[()]
+    return _NOT_A_SCALAR
 
 
 def _is_float(dtype: Any) -> bool:
@@ -107,11 +117,13 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
                     _refuse_widened(p, m, operand.dtype, result, name)
         layout = Layout(a.shape, tuple(placements), a.layout.sizes)
         return DTensor(fn(la, lb), a.device_mesh, layout)
-    x, scalar = (a, b) if isinstance(a, DTensor) else (b, a)
-    if isinstance(scalar, complex) or (_scalar(scalar) and np.iscomplexobj(scalar)):
+    x, given = (a, b) if isinstance(a, DTensor) else (b, a)
+    scalar = _host_scalar(given)
+    if scalar is _NOT_A_SCALAR:
+        _fail(f"{name} of a DTensor and a {type(given).__name__}: use a scalar or a DTensor")
+    if np.iscomplexobj(scalar):
         _fail(f"{name} of a DTensor and a complex scalar: the collectives carry no complex arrays")
-    if not _scalar(scalar):
-        _fail(f"{name} of a DTensor and a {type(scalar).__name__}: use a scalar or a DTensor")
+    a, b = (x, scalar) if x is a else (scalar, x)
     placements = list(x.placements)
     scaled = name == "mul" or (name == "div" and x is a)  # every term times one number
     local = x.to_local()
@@ -196,7 +208,8 @@ def elementwise(fn: Callable[[Any], Any], x: DTensor) -> DTensor:
 def power(x: DTensor, exponent: Any) -> DTensor:
     """``x ** exponent`` for a scalar exponent, elementwise (Partial refused, as for any
     nonlinear function)."""
-    if not isinstance(x, DTensor) or not _scalar(exponent):
+    exponent = _host_scalar(exponent)
+    if not isinstance(x, DTensor) or exponent is _NOT_A_SCALAR:
         _fail("a power of DTensors takes a DTensor base and a scalar exponent")
     if np.dtype(x.dtype).kind in "iu" and np.asarray(exponent).dtype.kind in "iu" and exponent < 0:
         # numpy raises only where the piece is not empty: refuse on every rank
