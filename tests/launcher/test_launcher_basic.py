@@ -175,3 +175,32 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
     assert result.returncode == 2 and "not found" in result.stderr
     result = run_launcher("--nnodes", "2", "--master-port", "0", str(tmp_path))
     assert result.returncode == 2 and "--master-port" in result.stderr
+
+
+# The launcher's store outlives a default group: one started again must not read the keys of
+# the one before (the gloo arena's segment name, which is gone by then).
+RESTART_SCRIPT = """
+import numpy as np
+import pluribus as pb
+for round in range(3):
+    pb.init_process_group("gloo", timeout=30)
+    x = np.ones(4)
+    pb.all_reduce(x)
+    sub = pb.new_group([0, 1])
+    y = np.ones(4)
+    pb.all_reduce(y, group=sub)
+    pb.destroy_process_group()
+    print(f"round {round}: {x[0]} {y[0]}")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_process_group_started_again_after_destroy_works(tmp_path):
+    pytest.importorskip("pluribus_gloo")
+    script = write_script(tmp_path, "restart_job.py", RESTART_SCRIPT)
+    result = run_launcher("--nproc-per-node", "2", str(script))
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        for round in range(3):
+            assert f"[r{rank}] round {round}: 2.0 2.0" in result.stdout
+    assert_no_processes(str(tmp_path))

@@ -212,6 +212,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+#: how many default groups this thread has started (see init_process_group)
+_groups_started = threading.local()
+
+
 def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
@@ -246,8 +250,15 @@ def init_process_group(
         if rank is None or world_size is None:
             raise ValueError("init_process_group(store=...) needs rank= and world_size=")
         owns_store = False
+    # Each default group this thread starts (after a destroy, again) keys the store under a
+    # prefix of its own: a store that outlives the group (the launcher's) still holds the
+    # last one's keys, which a backend would read as this one's. Every rank starts and
+    # destroys in the same order, so the ranks agree on the count.
+    started = getattr(_groups_started, "count", 0)
+    _groups_started.count = started + 1
+    keys = store if started == 0 else PrefixStore(f"restart-{started}", store)
     group = _create_group(
-        group_name, list(range(world_size)), rank, mapping, store, seconds, backend_options or {}
+        group_name, list(range(world_size)), rank, mapping, keys, seconds, backend_options or {}
     )
     world.update(group=group, store=store, owns_store=owns_store, mapping=mapping)
     _set_default(world, group, in_thread)
