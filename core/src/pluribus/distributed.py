@@ -1058,10 +1058,10 @@ def broadcast_object(
     g = _group(group)
     is_src = g.global_rank == src
     payload, refusal = _object_bytes(obj, g, pickle) if is_src else (None, None)
-    length = np.array([_announced(payload) if is_src else 0], dtype=np.int64)
+    length = _on_wire(g, np.array([_announced(payload) if is_src else 0], dtype=np.int64))
     broadcast(length, src, g)
     _raise_refusals(g, [int(length[0])], [src], refusal)
-    buf = payload if is_src else np.empty(int(length[0]), dtype=np.uint8)
+    buf = _on_wire(g, payload if is_src else np.empty(int(length[0]), dtype=np.uint8))
     broadcast(buf, src, g)
     return obj if is_src else _object_value(buf, g, pickle, f"rank {src}")
 
@@ -1073,12 +1073,23 @@ def all_gather_object(
     for :func:`broadcast_object`."""
     g = _group(group)
     payload, refusal = _object_bytes(obj, g, pickle)
-    lengths = np.zeros(g.size, dtype=np.int64)
-    all_gather(lengths, np.array([_announced(payload)], dtype=np.int64), g)
-    _raise_refusals(g, lengths.tolist(), g.ranks, refusal)
-    outputs = [np.empty(int(n), dtype=np.uint8) for n in lengths]
-    all_gather(outputs, payload, g)
+    lengths = _on_wire(g, np.zeros(g.size, dtype=np.int64))
+    all_gather(lengths, _on_wire(g, np.array([_announced(payload)], dtype=np.int64)), g)
+    lengths = [int(n) for n in lengths.tolist()]
+    _raise_refusals(g, lengths, g.ranks, refusal)
+    outputs = [_on_wire(g, np.empty(n, dtype=np.uint8)) for n in lengths]
+    all_gather(outputs, _on_wire(g, payload), g)
     return [_object_value(o, g, pickle, f"rank {g.ranks[r]}") for r, o in enumerate(outputs)]
+
+
+def _on_wire(g: ProcessGroup, host: np.ndarray | None) -> Any:
+    """``host`` as ``g`` carries it: a group whose backends take device arrays only (nccl)
+    gets a copy on the current device, as torch's object collectives make for NCCL."""
+    if host is None or "cpu" in g.backends or g.gpu_staging:
+        return host
+    import cupy
+
+    return cupy.asarray(host)
 
 
 #: The length a rank announces for an object it could not encode (then every rank raises).
@@ -1112,7 +1123,9 @@ def _raise_refusals(g: ProcessGroup, lengths: list[int], ranks: list[int], mine)
         )
 
 
-def _object_value(buf: np.ndarray, g: ProcessGroup, use_pickle: bool, sender: str) -> Any:
+def _object_value(buf: Any, g: ProcessGroup, use_pickle: bool, sender: str) -> Any:
+    if not isinstance(buf, np.ndarray):  # a device copy (_on_wire)
+        buf = buf.get()
     if use_pickle:
         return _pickle.loads(buf.tobytes())  # pickle-by-request
     return codec.decode(buf.tobytes(), g.global_rank, sender)
