@@ -272,6 +272,33 @@ def test_gradient_clipping_of_a_split_model_equals_one_process(norm_type):
             np.testing.assert_allclose(value, want_params[name], rtol=1e-7, atol=1e-9, err_msg=name)
 
 
+def _clip_with_empty_pieces(world: int):
+    """Hidden size 3 over 4 ranks: one rank's pieces of the split weights are empty, and it
+    still takes part in the norm's all-reduce."""
+    from pluribus.parallel import MLPParallel
+
+    model = nn.Sequential(
+        nn.Linear(4, 3, dtype=np.float64, rng=1),
+        nn.Tanh(),
+        nn.Linear(3, 2, dtype=np.float64, rng=2),
+    )
+    if world > 1:
+        parallelize_module(model, init_device_mesh("cpu", (world,)), MLPParallel())
+    x = np.random.default_rng(3).normal(size=(5, 4))
+    model.backward(np.ones_like(model.forward(x)))
+    clipping = clip_grad_norm_ if world > 1 else _clip_whole
+    norm = clipping(model.parameters(), 0.1, 2.0)
+    return norm, {n: full_parameter(p, grad=True) for n, p in model.named_parameters()}
+
+
+def test_gradient_clipping_with_empty_pieces_equals_one_process():
+    want_norm, want_grads = _clip_with_empty_pieces(1)
+    for norm, grads in run_ranks(_clip_with_empty_pieces, 4, args=(4,), timeout=30):
+        assert norm == pytest.approx(want_norm, rel=1e-12)
+        for name, value in grads.items():
+            np.testing.assert_allclose(value, want_grads[name], rtol=1e-12, err_msg=name)
+
+
 def _clip_of_fsdp():
     from pluribus.parallel import fully_shard
 

@@ -146,11 +146,12 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
         )
     infinite = np.isinf(p)
 
-    def combine(a: float, b: float) -> float:
-        return max(a, b) if infinite else a + b
+    def combine(a: Any, b: Any) -> Any:
+        return b if a is None else (max(a, b) if infinite else a + b)
 
-    whole = 0.0  # parameters that are not split: the same gradient on every rank
-    split: dict[DeviceMesh, list] = {}  # mesh -> [its pieces' part, an array namespace]
+    # (mesh of a split parameter or None, array library) -> the part of the norm, kept where
+    # the gradients are: one copy to the host per library, not one per gradient
+    parts: dict[tuple[DeviceMesh | None, Any], Any] = {}
     grads = []
     for param in parameters:
         if getattr(param, "sharded_by_fsdp", False):
@@ -162,20 +163,27 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
         if g is None:
             continue
         grads.append(g)
+        xp = array_namespace(g)
         magnitude = abs(g.astype(np.float64))
-        part = 0.0 if g.size == 0 else float(magnitude.max() if infinite else (magnitude**p).sum())
-        layout = getattr(param, "tp_layout", None)
-        if layout is None:
-            whole = combine(whole, part)
+        if g.size == 0:  # an empty piece still takes part in its mesh's all-reduce
+            part = xp.zeros((), np.float64)
         else:
-            entry = split.setdefault(layout[0], [0.0, array_namespace(g)])
-            entry[0] = combine(entry[0], part)
-    total = whole
-    for mesh, (part, xp) in split.items():  # in the parameters' order: alike on every rank
-        buffer = xp.asarray([part], dtype=np.float64)
-        op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-        dist.all_reduce(buffer, op=op, group=mesh.get_group())
-        total = combine(total, float(buffer[0]))
+            part = magnitude.max() if infinite else (magnitude**p).sum()
+        layout = getattr(param, "tp_layout", None)
+        key = (None if layout is None else layout[0], xp)
+        previous = parts.get(key)
+        parts[key] = part if previous is None else (
+            xp.maximum(previous, part) if infinite else previous + part
+        )  # fmt: skip
+    total = None
+    for (mesh, _), part in parts.items():  # in the parameters' order: alike on every rank
+        if mesh is not None:  # a split parameter's pieces: their parts over its mesh
+            part = part.reshape(1).astype(np.float64)
+            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+            dist.all_reduce(part, op=op, group=mesh.get_group())
+            part = part[0]
+        total = combine(total, float(part))
+    total = 0.0 if total is None else total
     norm = total if infinite else total ** (1.0 / p)
     coefficient = max_norm / (norm + 1e-6)
     if coefficient < 1.0:
