@@ -1,6 +1,8 @@
-"""DTensor and tensor parallelism on cupy: every redistribute pair (even and uneven shards, the
-in-place and out-of-place all-reduce) equals numpy and keeps its pieces on the GPU, and a
-tensor-parallel transformer block gives the unsplit block's outputs and gradients.
+"""DTensor and tensor parallelism on cupy: every redistribute pair (even, uneven and zero-size
+shards, the in-place and out-of-place all-reduce) equals numpy and keeps its pieces on the GPU;
+operations, reductions, matmul, an asynchronous redistribute, from_local's check and gradient
+clipping give numpy's values; and a tensor-parallel transformer block gives the unsplit block's
+outputs and gradients.
 
 Multi-rank runs use ucc (two or four processes sharing the one GPU through CUDA IPC); NCCL
 cannot put two ranks on one GPU, so it runs the same checks at world size 1.
@@ -24,7 +26,8 @@ UCC_CUDA = {"ucc_cuda": True}
 NCCL = "cpu:gloo,cuda:nccl"
 
 #: Chains of placements over a 1-d mesh: every pair the plan knows, each entry (placements,
-#: donate). Shapes below make the shards uneven and include a zero-size one at 4 ranks.
+#: donate). The shapes below make the shards uneven, and (3, 7) over a 4-rank 1-d mesh has a
+#: zero-size one.
 CHAINS_1D = [
     [((Shard(0),), False), ((Replicate(),), False)],  # all-gather, uneven
     [((Shard(1),), False), ((Shard(0),), False), ((Shard(1),), False)],  # all-to-all both ways
@@ -73,10 +76,12 @@ def _redistribute_on_cupy(mesh_shape: tuple[int, ...], chains, shapes) -> int:
 
 
 @needs_gpu("ucc")
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_redistribute_on_cupy_over_ucc_equals_numpy(world):
-    shapes = [(5, 6), (3, 7), (world * 4, 8)]  # uneven (a zero-size shard at 4), even
-    chains, mesh_shape = (CHAINS_1D, (world,)) if world == 2 else (CHAINS_2D, (2, 2))
+@pytest.mark.parametrize(
+    "world, mesh_shape, chains",
+    [(2, (2,), CHAINS_1D), (4, (4,), CHAINS_1D), (4, (2, 2), CHAINS_2D)],
+)
+def test_every_redistribute_on_cupy_over_ucc_equals_numpy(world, mesh_shape, chains):
+    shapes = [(5, 6), (3, 7), (world * 4, 8)]  # uneven (zero-size at 4 ranks on 1-d), even
     counts = run_ranks(
         _redistribute_on_cupy, world, "ucc", "processes", timeout=300,
         backend_options=UCC_CUDA, args=(mesh_shape, chains, shapes),
@@ -91,6 +96,68 @@ def test_every_redistribute_on_cupy_over_nccl_at_world_size_one_equals_numpy():
         args=((1,), CHAINS_1D, [(5, 6), (0, 3)]),
     )  # fmt: skip
     assert counts == [2 * sum(len(c) - 1 for c in CHAINS_1D)]
+
+
+def _operations_on_cupy() -> bool:
+    """Operations, reductions, matmul, a cupy 0-d scalar, an asynchronous redistribute,
+    from_local's check and gradient clipping on cupy pieces, against numpy."""
+    import cupy
+    from pluribus.dtensor import from_local
+    from pluribus.parallel import MLPParallel, clip_grad_norm_
+
+    mesh = init_device_mesh("cuda", (pb.get_world_size(),))
+    rows = np.arange(24.0).reshape(6, 4)
+    x = distribute_tensor(cupy.asarray(rows), mesh, [Shard(0)])
+    ones = distribute_tensor(cupy.ones((4, 3)), mesh, [Replicate()])
+    checks = {
+        "sum over the sharded axis": (x.sum(axis=0), rows.sum(axis=0)),
+        "max": (x.max(), rows.max()),
+        "mean over rows": (x.mean(axis=1), rows.mean(axis=1)),
+        "scalars": (x * 2.0 - 1.0, rows * 2 - 1),
+        "ufunc": (np.exp(x / 24.0), np.exp(rows / 24)),
+        "transpose": (x.T, rows.T),
+        "matmul": (x @ ones, rows @ np.ones((4, 3))),
+        "a cupy 0-d scalar": (x / cupy.asarray(rows).sum(), rows / rows.sum()),
+    }
+    for name, (got, want) in checks.items():
+        whole = got.full_tensor()
+        assert isinstance(whole, cupy.ndarray), name
+        np.testing.assert_allclose(cupy.asnumpy(whole), want, rtol=1e-12, err_msg=name)
+    pending = x.redistribute(placements=[Replicate()], async_op=True)
+    np.testing.assert_array_equal(cupy.asnumpy(pending.to_local()), rows)
+    assert from_local(x.to_local(), mesh, [Shard(0)]).layout == x.layout
+    model = nn.Sequential(
+        nn.Linear(4, 3, dtype=np.float64, rng=1),
+        nn.Tanh(),
+        nn.Linear(3, 2, dtype=np.float64, rng=2),
+    )
+    reference = copy.deepcopy(model)
+    model.to(device="cuda")
+    parallelize_module(model, mesh, MLPParallel())
+    inputs = np.random.default_rng(3).normal(size=(5, 4))
+    reference.backward(np.ones_like(reference.forward(inputs)))
+    want = sum(float((p.grad**2).sum()) for p in reference.parameters()) ** 0.5
+    model.backward(cupy.ones_like(model.forward(cupy.asarray(inputs))))
+    assert clip_grad_norm_(model.parameters(), 0.1) == pytest.approx(want, rel=1e-10)
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        got = cupy.asnumpy(full_parameter(p, grad=True))
+        np.testing.assert_allclose(got, q.grad * 0.1 / (want + 1e-6), rtol=1e-10, err_msg=name)
+    return True
+
+
+@needs_gpu("ucc")
+def test_operations_on_cupy_over_ucc_equal_numpy():
+    assert run_ranks(
+        _operations_on_cupy, 2, "ucc", "processes", timeout=300, backend_options=UCC_CUDA
+    ) == [True, True]
+
+
+@needs_gpu("nccl")
+@pytest.mark.parametrize("backend", [NCCL, "nccl"])  # an nccl-only world: from_local's check too
+def test_operations_on_cupy_over_nccl_at_world_size_one_equal_numpy(backend):
+    assert run_ranks(_operations_on_cupy, 1, backend, "processes", timeout=300) == [True]
 
 
 def _block_on_cupy() -> bool:
