@@ -275,3 +275,19 @@ def test_a_plain_array_that_differs_between_ranks_is_refused_before_writing(save
         assert "save full_parameter(p) or a DTensor" in error
     assert {n: os.path.getmtime(os.path.join(saved, n)) for n in os.listdir(saved)} == before
     assert sorted(os.listdir(os.path.dirname(saved))) == ["c"]  # no temporary folder left
+
+
+def test_the_sample_of_a_whole_array_reads_its_ends_in_order():
+    from pluribus.checkpoint.save import SAMPLE_BYTES, _sample_sum
+
+    a = np.arange(100_000.0).reshape(1000, 100)
+    assert _sample_sum(a.T) == _sample_sum(np.ascontiguousarray(a.T))  # strided: same bytes
+    assert _sample_sum(a.T) != _sample_sum(a)
+    middle = a.copy()
+    middle[500] += 1  # beyond both ends: not read
+    assert _sample_sum(middle) == _sample_sum(a)
+    last = a.copy()
+    last.reshape(-1)[-1] += 1
+    assert _sample_sum(last) != _sample_sum(a)
+    assert _sample_sum(a.astype(">f8")) == _sample_sum(a)  # byte order is not a difference
+    assert SAMPLE_BYTES == 4096

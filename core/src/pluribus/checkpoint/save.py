@@ -69,9 +69,12 @@ def _sample_sum(array: Any) -> int:
     """CRC-32 of a whole array's first and last ``SAMPLE_BYTES`` (little-endian): arrays that
     should be equal on every rank but differ throughout (each rank's piece of a split
     parameter) are told apart without reading them whole."""
-    flat = array.reshape(-1) if array.flags.c_contiguous else array.ravel()
-    k = max(1, SAMPLE_BYTES // max(1, flat.itemsize))
-    ends = [flat[:k], flat[max(k, flat.size - k) :]]
+    k, n = max(1, SAMPLE_BYTES // max(1, array.itemsize)), array.size
+    if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
+        ends = [array.flat[:k], array.flat[max(k, n - k) : n]]  # copies these elements only
+    else:
+        flat = array.reshape(-1)
+        ends = [flat[:k], flat[max(k, n - k) :]]
     total = 0
     for end in ends:
         end = end.get() if is_cupy(end) else np.asarray(end)
