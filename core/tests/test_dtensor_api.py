@@ -696,6 +696,60 @@ def test_copies_and_transposes_own_their_pieces():
         ]
 
 
+def _mesh_of_an_ended_world_body():
+    """A mesh made before destroy_process_group, used in the world started after it: refused,
+    instead of making its group in the new world (cached under the old one, so that a new
+    mesh would make the same rank set again)."""
+    import pluribus.distributed as dist
+
+    rank, store = pb.get_rank(), dist._world()["store"]
+    old = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    old.get_group("tp")  # "dp" is not used in the first world
+    pb.destroy_process_group()
+    pb.init_process_group("threads", rank=rank, world_size=4, store=store, timeout=20)
+    with pytest.raises(ValueError, match="made in a world that destroy_process_group ended"):
+        old.get_group("dp")
+    new = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = np.ones(1)
+    pb.all_reduce(x, group=new.get_group("dp"))
+    return float(x[0])
+
+
+def test_a_mesh_of_an_ended_world_is_refused_in_the_next():
+    assert run_ranks(_mesh_of_an_ended_world_body, 4, timeout=40) == [2.0] * 4
+
+
+def _torch_spellings_body():
+    """The keyword names and small methods a torch user types first."""
+    rank = pb.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert mesh.get_group(mesh_dim="tp") is mesh.get_group(1)
+    assert mesh.get_local_rank(mesh_dim="dp") == rank // 2 and mesh.size(mesh_dim=1) == 2
+    assert mesh.get_coordinate() == [rank // 2, rank % 2] and mesh.get_rank() == rank
+    x = distribute_tensor(np.arange(12.0).reshape(3, 4), mesh, [Shard(0), Replicate()])
+    assert (x.dim(), x.numel(), len(x)) == (2, 12, 3)
+    y = from_local(x.to_local(), mesh, [Shard(0), Replicate()], shape=(3, 4), stride=(4, 1))
+    assert y.layout is x.layout
+    with pytest.raises(ValueError, match=r"stride can only be \(4, 1\)"):
+        from_local(x.to_local(), mesh, [Shard(0), Replicate()], shape=(3, 4), stride=(1, 3))
+    np.testing.assert_array_equal(
+        x.full_tensor(grad_placements=None), np.arange(12.0).reshape(3, 4)
+    )
+    with pytest.raises(ValueError, match="autograd hint"):
+        x.full_tensor(grad_placements=[Replicate(), Replicate()])
+    # plan keys match one dotted part at a time: "*" is each child, never the root
+    model = nn.Sequential(nn.Linear(4, 6, rng=0), nn.Linear(6, 4, rng=1))
+    parallelize_module(model, mesh["tp"], {"*": ColwiseParallel(use_local_output=True)})
+    assert [p.data.shape for p in model.parameters()] == [(3, 4), (3,), (2, 6), (2,)]
+    with pytest.raises(ValueError, match=r"use_local_output=False\): pluribus.nn layers"):
+        ColwiseParallel(use_local_output=False)
+    return True
+
+
+def test_torch_spellings_work():
+    assert run_ranks(_torch_spellings_body, 4, timeout=40) == [True] * 4
+
+
 def _donating_the_source_of_a_pending_redistribute_body():
     """A pending redistribute on one mesh dimension's group reads its source's piece in the
     background; donating the source to a redistribute on the other dimension's group (which
@@ -761,8 +815,14 @@ def test_placements_and_layouts_are_interned_values():
     with pytest.raises(TypeError, match=r"Shard\(\) missing 1 required positional argument"):
         Shard()
     assert isinstance(Shard(7), Shard) and Shard(7).dim == 7 and Shard(7).is_shard(7)
-    with pytest.raises(ValueError, match="Partial op must be one of"):
+    with pytest.raises(ValueError, match="Partial's reduce_op must be one of"):
         Partial("prod")
+    with pytest.raises(ValueError, match="Partial's reduce_op must be one of"):
+        Partial(pb.ReduceOp.PRODUCT)
+    # torch's spellings: the keyword, the enum, is_partial(op)
+    assert Partial(reduce_op="max") is Partial(pb.ReduceOp.MAX) is Partial("max")
+    assert Partial().is_partial("sum") and not Partial().is_partial("avg")
+    assert Partial("avg").is_partial() and not Shard(0).is_partial("sum")
     a = Layout((5, 2), (Shard(0),), ((3, 2),))
     b = Layout([5, np.int64(2)], [Shard(0)], [[3, 2]])
     assert a is b and a.shape == (5, 2) and a.sizes == ((3, 2),)

@@ -27,9 +27,10 @@ def _state(value: float):
     }
 
 
-def _async_snapshot_body(path):
+def _async_snapshot_body(path, explicit_world=False):
     state = _state(1.0)
-    future = checkpoint.async_save(state, path)
+    group = pb.get_default_group() if explicit_world else None
+    future = checkpoint.async_save(state, path, process_group=group)
     # the training step goes on: the arrays change and collectives run on the default group
     state["w"].to_local()[...] = -1
     state["b"][...] = -1
@@ -43,10 +44,30 @@ def _async_snapshot_body(path):
     return loaded["w"].full_tensor().tolist(), loaded["b"].tolist(), loaded["step"]
 
 
-def test_async_save_writes_the_snapshot_while_training_goes_on(tmp_path):
-    results = run_ranks(_async_snapshot_body, 3, args=(str(tmp_path / "c"),))
+@pytest.mark.parametrize("explicit_world", [False, True])
+def test_async_save_writes_the_snapshot_while_training_goes_on(tmp_path, explicit_world):
+    """With no process group or the default one named: the background commit's collectives run
+    on a group of their own either way."""
+    results = run_ranks(_async_snapshot_body, 3, args=(str(tmp_path / "c"), explicit_world))
     for w, b, step in results:
         assert w == (np.arange(10.0) + 1).tolist() and b == [1.0] * 3 and step == 1
+
+
+def _async_save_of_a_sub_group(path):
+    sub = pb.new_group([0, 1])
+    if pb.get_rank() > 1:
+        return None
+    try:
+        checkpoint.async_save({"b": np.ones(3)}, path, process_group=sub)
+    except ValueError as e:
+        return str(e)
+
+
+def test_async_save_of_a_sub_group_is_refused(tmp_path):
+    errors = run_ranks(_async_save_of_a_sub_group, 3, args=(str(tmp_path / "c"),))
+    for rank, error in enumerate(errors[:2]):
+        assert error.startswith(f"rank {rank}: async_save(process_group=...) of a sub-group")
+    assert not os.path.exists(tmp_path / "c")
 
 
 def test_async_save_on_gloo_processes_overlaps_the_loops_collectives(tmp_path):

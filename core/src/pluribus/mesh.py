@@ -121,25 +121,30 @@ class DeviceMesh:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.mesh.shape)
 
-    def size(self, dim: int | str | None = None) -> int:
-        return int(self.mesh.size) if dim is None else self.shape[self._dim(dim)]
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        return int(self.mesh.size) if mesh_dim is None else self.shape[self._dim(mesh_dim)]
 
     @property
     def coordinate(self) -> tuple[int, ...]:
         """This rank's index in the mesh array."""
         return self._coordinate
 
-    def get_coordinate(self) -> tuple[int, ...]:
-        return self._coordinate
+    def get_coordinate(self) -> list[int]:
+        """This rank's index in the mesh array, as torch gives it: a list."""
+        return list(self._coordinate)
 
-    def get_local_rank(self, dim: int | str | None = None) -> int:
-        if dim is None:
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._world.global_rank
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
             if self.ndim != 1:
                 raise ValueError(
-                    f"{self!r}: get_local_rank needs dim= on a mesh of {self.ndim} dims"
+                    f"{self!r}: get_local_rank needs mesh_dim= on a mesh of {self.ndim} dims"
                 )
-            dim = 0
-        return self._coordinate[self._dim(dim)]
+            mesh_dim = 0
+        return self._coordinate[self._dim(mesh_dim)]
 
     def _dim(self, dim: int | str) -> int:
         if isinstance(dim, str):
@@ -158,13 +163,16 @@ class DeviceMesh:
 
     # -- groups -----------------------------------------------------------------------------
 
-    def get_group(self, dim: int | str | None = None) -> ProcessGroup:
-        """The group of the ranks that share this rank's coordinates except along ``dim``."""
-        if dim is None:
+    def get_group(self, mesh_dim: int | str | None = None) -> ProcessGroup:
+        """The group of the ranks that share this rank's coordinates except along
+        ``mesh_dim``."""
+        if mesh_dim is None:
             if self.ndim != 1:
-                raise ValueError(f"{self!r}: get_group needs dim= on a mesh of {self.ndim} dims")
-            dim = 0
-        d = self._dim(dim)
+                raise ValueError(
+                    f"{self!r}: get_group needs mesh_dim= on a mesh of {self.ndim} dims"
+                )
+            mesh_dim = 0
+        d = self._dim(mesh_dim)
         group = self._groups.get(d)
         if group is None:
             group = self._groups[d] = self._root._group_along(self._root_dims[d])
@@ -201,6 +209,13 @@ class DeviceMesh:
         rows = np.moveaxis(self.mesh, dim, -1).reshape(-1, self.mesh.shape[dim])
         mine = None
         world = self._world
+        current = dist.get_default_group() if dist.is_initialized() else None
+        if world is not current:  # new_group would make it in the new world, cached in the old
+            raise ValueError(
+                f"rank {world.global_rank}: this mesh was made in a world that "
+                "destroy_process_group ended; make a new mesh (init_device_mesh) in the "
+                "current one"
+            )
         for row in rows:
             ranks = tuple(sorted(int(r) for r in row))
             if ranks == tuple(range(world.size)):

@@ -438,12 +438,16 @@ def async_save(
     state = _state_for(group)
     if group is None:
         background_group = None
-    elif process_group is None:
+    elif process_group is None or process_group is dist.get_default_group():
         if "world" not in state.groups:
             state.groups["world"] = dist.new_group()  # every rank, in the same order
         background_group = state.groups["world"]
-    else:
-        background_group = process_group
+    else:  # its own copy of a sub-group would have to be made by every rank of the world
+        raise ValueError(
+            f"rank {dist.get_rank()}: async_save(process_group=...) of a sub-group: its "
+            "background collectives would share the group with the training loop's; save a "
+            "sub-group with save(), or async_save on the whole world (no process_group)"
+        )
     snap = take_snapshot(state_dict, rank, world, copy=True)
     future = SaveFuture()
 

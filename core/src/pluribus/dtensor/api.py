@@ -69,6 +69,18 @@ class DTensor:
     def ndim(self) -> int:
         return len(self._layout.shape)
 
+    def dim(self) -> int:
+        return len(self._layout.shape)
+
+    def numel(self) -> int:
+        """Elements of the whole array."""
+        return int(np.prod(self._layout.shape))
+
+    def __len__(self) -> int:
+        if not self._layout.shape:
+            raise TypeError(f"rank {_rank()}: len() of a 0-d DTensor")
+        return self._layout.shape[0]
+
     @property
     def dtype(self) -> Any:
         return self.to_local().dtype
@@ -119,9 +131,15 @@ class DTensor:
         one, which a donation of either would write over)."""
         return self.__deepcopy__({})
 
-    def full_tensor(self) -> Any:
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Any:
         """The whole array on every rank (an all-gather or all-reduce per non-replicated mesh
-        dimension)."""
+        dimension). ``grad_placements`` is torch's autograd hint; DTensors here have no
+        autograd, so only None is taken."""
+        if grad_placements is not None:
+            raise ValueError(
+                f"rank {_rank()}: full_tensor(grad_placements=...) is an autograd hint; "
+                "DTensors here carry no gradients (pluribus.nn layers take local arrays)"
+            )
         return self.redistribute(placements=(Replicate(),) * self._mesh.ndim).to_local()
 
     # -- redistribute -----------------------------------------------------------------------
@@ -404,14 +422,23 @@ def from_local(
     *,
     run_check: bool = True,
     shape: Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
 ) -> DTensor:
     """A DTensor from every rank's piece. With ``run_check`` (the default) the ranks of the mesh
     exchange their local shapes, dtypes and placements: shard sizes are taken from what the
     ranks hold (uneven allowed) and any disagreement raises on every rank, naming the ranks.
     Without it, pieces are assumed to follow the array_split rule over ``shape`` (or to be
-    equal when ``shape`` is None), and only this rank's piece is checked."""
+    equal when ``shape`` is None), and only this rank's piece is checked. ``stride`` (torch's,
+    in elements) can only be the C-contiguous one of ``shape``: every piece is C-contiguous."""
     mesh = device_mesh
     rank = _rank()
+    if stride is not None:
+        want = tuple(int(np.prod(shape[k + 1 :])) for k in range(len(shape))) if shape else None
+        if want is None or tuple(stride) != want:
+            raise ValueError(
+                f"rank {rank}: from_local(stride={tuple(stride)}): a DTensor is C-contiguous, "
+                f"so stride can only be {want} for shape={shape} (or leave it out)"
+            )
     if placements is None:
         placements = (Replicate(),) * mesh.ndim
     if run_check:

@@ -30,7 +30,7 @@ class Placement:
     def is_replicate(self) -> bool:
         return False
 
-    def is_partial(self) -> bool:
+    def is_partial(self, reduce_op: str | None = None) -> bool:
         return False
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -122,17 +122,24 @@ class Partial(Placement):
     __match_args__ = ("op",)
     _made: dict[str, Partial] = {}
 
-    def __new__(cls, op: str = "sum") -> Partial:
+    def __new__(cls, reduce_op: Any = "sum") -> Partial:
         try:
-            return cls._made[op]
+            return cls._made[reduce_op]
         except (KeyError, TypeError):
             pass
+        op = reduce_op
+        for name, member in PARTIAL_OPS.items():  # torch's spelling takes the enum as well
+            if reduce_op is member:
+                op = name
         if not isinstance(op, str) or op not in PARTIAL_OPS:
-            raise ValueError(f"Partial op must be one of {sorted(PARTIAL_OPS)}, got {op!r}")
+            raise ValueError(
+                f"Partial's reduce_op must be one of {sorted(PARTIAL_OPS)} (or the ReduceOp of "
+                f"one), got {reduce_op!r}"
+            )
         return _interned(cls, cls._made, op, op=op, reduce_op=PARTIAL_OPS[op])
 
-    def is_partial(self) -> bool:
-        return True
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or Partial(reduce_op) is self
 
     def __reduce__(self):
         return Partial, (self.op,)

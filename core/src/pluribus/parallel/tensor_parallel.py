@@ -192,6 +192,17 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     return norm
 
 
+def _local_output_only(style: str, use_local_output: bool) -> None:
+    """torch's ``use_local_output``: pluribus.nn layers take and give local arrays, so only
+    True (torch's default for these styles) is what happens here."""
+    if use_local_output is not True:
+        raise ValueError(
+            f"rank {dist.get_rank()}: {style}(use_local_output={use_local_output!r}): "
+            "pluribus.nn layers give this rank's piece as a local array (use_local_output=True); "
+            "wrap it with DTensor.from_local for a DTensor"
+        )
+
+
 class ParallelStyle:
     """How to split one module over a 1-d mesh; ``parallelize_module`` applies it."""
 
@@ -222,7 +233,9 @@ class ColwiseParallel(ParallelStyle):
         *,
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
+        use_local_output: bool = True,
     ):
+        _local_output_only("ColwiseParallel", use_local_output)
         self.input_layout = input_layouts or Replicate()
         self.output_layout = output_layouts or Shard(-1)
         self._chunks = 1
@@ -299,7 +312,9 @@ class RowwiseParallel(ParallelStyle):
         *,
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
+        use_local_output: bool = True,
     ):
+        _local_output_only("RowwiseParallel", use_local_output)
         self.input_layout = input_layouts or Shard(-1)
         self.output_layout = output_layouts or Replicate()
 
@@ -454,7 +469,9 @@ def parallelize_module(
     module: Module, device_mesh: DeviceMesh, parallelize_plan: ParallelStyle | dict[str, Any]
 ) -> Module:
     """Apply ``parallelize_plan`` (a style, or ``{module name pattern: style}`` with fnmatch
-    patterns such as ``"blocks.*.attn"``) on the 1-d ``device_mesh``, in place."""
+    patterns such as ``"blocks.*.attn"``, matched one dotted part at a time as torch does, so
+    ``"*"`` is every child of the root and never the root itself) on the 1-d ``device_mesh``,
+    in place."""
     mesh = device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -464,8 +481,19 @@ def parallelize_module(
     if isinstance(parallelize_plan, ParallelStyle):
         return parallelize_plan.apply(module, mesh)
     names = dict(module.named_modules())
+
+    def matches(name: str, pattern: str) -> bool:
+        parts, atoms = name.split("."), pattern.split(".")
+        return (
+            bool(name)
+            and len(parts) == len(atoms)
+            and all(
+                fnmatch.fnmatchcase(part, atom) for part, atom in zip(parts, atoms, strict=True)
+            )
+        )
+
     for pattern, style in parallelize_plan.items():
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        matched = [n for n in names if matches(n, pattern)]
         if not matched:
             raise KeyError(
                 f"{_rank_text(mesh)}: parallelize plan entry {pattern!r} matches no module "
