@@ -746,6 +746,28 @@ def _torch_spellings_body():
     return True
 
 
+def _from_a_source_rank_body():
+    """src_data_rank=k: the array of the rank at mesh coordinate (k, k), whatever the others
+    passed; the caller's array is left as it was."""
+    rank = pb.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2))  # coordinate (k, k): rank 0 for k=0, rank 3 for k=1
+    mine = np.arange(12.0).reshape(3, 4) + 100 * rank
+    got = []
+    for k in (0, 1):
+        x = distribute_tensor(mine, mesh, [Shard(0), Shard(1)], src_data_rank=k)
+        got.append(x.full_tensor())
+    assert mine[0, 0] == 100 * rank
+    with pytest.raises(ValueError, match="src_data_rank=2 must be an index of every mesh"):
+        distribute_tensor(mine, mesh, src_data_rank=2)
+    return got
+
+
+def test_distribute_tensor_from_a_source_rank():
+    for first, last in run_ranks(_from_a_source_rank_body, 4, timeout=40):
+        np.testing.assert_array_equal(first, np.arange(12.0).reshape(3, 4))
+        np.testing.assert_array_equal(last, np.arange(12.0).reshape(3, 4) + 300)
+
+
 def test_torch_spellings_work():
     assert run_ranks(_torch_spellings_body, 4, timeout=40) == [True] * 4
 

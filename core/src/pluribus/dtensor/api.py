@@ -394,15 +394,25 @@ def _ops():
 
 
 def distribute_tensor(
-    tensor: Any, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None
+    tensor: Any,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = None,
 ) -> DTensor:
     """Cut ``tensor`` (the same whole array on every rank) into this rank's piece, a copy,
     without communicating. ``Partial("sum")`` keeps the value on the first rank of its mesh
-    dimension and zeros elsewhere (exact); other Partial ops keep it everywhere."""
+    dimension and zeros elsewhere (exact); other Partial ops keep it everywhere.
+
+    ``src_data_rank=k`` (torch's, whose default is 0) takes the array of the rank at mesh
+    coordinate ``(k, ..., k)`` instead: one broadcast of the whole array per mesh dimension
+    first (every rank passes an array of the same shape and dtype)."""
     mesh = device_mesh
     if placements is None:
         placements = (Replicate(),) * mesh.ndim
     targets = normalize_placements(placements, tensor.ndim, mesh.shape, _rank(), tensor.dtype)
+    if src_data_rank is not None:
+        tensor = _from_source(tensor, mesh, src_data_rank)
     layout = default_layout(tuple(tensor.shape), targets, mesh.shape)
     xp = array_namespace(tensor)
     piece = tensor[layout.local_slices(mesh.coordinate)]  # numpy: a 0-d array's is a scalar
@@ -413,6 +423,23 @@ def distribute_tensor(
     # a copy: the DTensor never sees later writes to ``tensor``, nor writes to it when donated
     local = xp.zeros(piece.shape, tensor.dtype) if zero else xp.array(piece)
     return DTensor(local, mesh, layout)
+
+
+def _from_source(tensor: Any, mesh: DeviceMesh, k: int) -> Any:
+    """A copy of the array at mesh coordinate ``(k, ..., k)``: broadcast along each mesh
+    dimension in turn from the member at ``k`` (after dimension ``m``, every rank that agrees
+    with the source on the later dimensions holds it; after the last, every rank)."""
+    if not isinstance(k, int) or isinstance(k, bool) or not all(0 <= k < n for n in mesh.shape):
+        raise ValueError(
+            f"rank {_rank()}: src_data_rank={k!r} must be an index of every mesh dimension "
+            f"(mesh shape {mesh.shape})"
+        )
+    copy = array_namespace(tensor).array(tensor)  # the caller's array stays as it was
+    for m in range(mesh.ndim):
+        source = list(mesh.coordinate)
+        source[m] = k
+        dist.broadcast(copy, src=int(mesh.mesh[tuple(source)]), group=mesh.get_group(m))
+    return copy
 
 
 def from_local(
