@@ -233,6 +233,31 @@ def _sub_only():
     assert (x == 4).all()
 
 
+def _groups_in_another_order():
+    """Rank 0 makes [0, 1] then [0, 2]; the others make them the other way round."""
+    order = [[0, 1], [0, 2]] if pb.get_rank() == 0 else [[0, 2], [0, 1]]
+    try:
+        for ranks in order:
+            pb.new_group(ranks, timeout=3)
+    except (ValueError, pb.DistTimeoutError) as e:
+        return str(e)
+
+
+@pytest.mark.timeout(60)
+def test_new_group_in_another_order_on_some_ranks_says_so():
+    errors = run_ranks(_groups_in_another_order, 3, timeout=30)
+    assert errors[2] == (
+        "rank 2: new_group made group 'world.1' of ranks [0, 2] here and of ranks [0, 1] on "
+        "rank 0; every rank must call new_group in the same order with the same ranks"
+    )
+    assert errors[0].startswith("rank 0: rank 1 did not make group 'world.1' of ranks [0, 1]")
+    assert errors[1].startswith("rank 1: rank 0 did not make group 'world.2' of ranks [0, 1]")
+    for error in errors[:2]:
+        assert error.endswith(
+            "every rank must call new_group in the same order with the same ranks"
+        )
+
+
 def test_work_handles():
     from pluribus.work import CompletedWork, FutureWork
 

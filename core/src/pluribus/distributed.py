@@ -23,7 +23,7 @@ from . import codec, plugins
 from .arrays import check_array, check_cuda_array, check_op, device_of, flat
 from .backend import USER_TAG_LIMIT, check_tag_budget
 from .debug import flight_recorder
-from .errors import NotInitializedError, PluribusError
+from .errors import DistTimeoutError, NotInitializedError, PluribusError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .lifeline import Lifeline, WatchedStore
 from .operations import OPERATIONS
@@ -389,6 +389,7 @@ def new_group(
     if parent.global_rank not in members:
         return NON_GROUP_MEMBER
     seconds = parent.timeout if timeout is None else _seconds(timeout)
+    _check_members(parent, name, members, seconds)
     local = members.index(parent.global_rank)
     backends: dict[str, Any] = {}
     made: dict[int, Any] = {}
@@ -421,6 +422,32 @@ def new_group(
     _world().setdefault("subgroups", []).append(group)
     _hook().pluribus_group_created(group=group)
     return group
+
+
+def _check_members(parent: ProcessGroup, name: str, members: list[int], timeout: float) -> None:
+    """Every member made group ``name`` of the same ranks. Ranks that call ``new_group`` in
+    different orders pair up different groups under one name, which would fail much later
+    as a collective's timeout; here the error says so."""
+    me, text = parent.global_rank, ",".join(map(str, members))
+    parent.store.set(f"{name}/members/{me}", text)
+    for r in members:
+        if r == me:
+            continue
+        try:
+            theirs = parent.store.get(f"{name}/members/{r}", timeout)
+        except (DistTimeoutError, TimeoutError):
+            raise DistTimeoutError(
+                f"rank {me}: rank {r} did not make group {name!r} of ranks {members} within "
+                f"{timeout:.0f}s; every rank must call new_group in the same order with the "
+                "same ranks"
+            ) from None
+        theirs = theirs.decode() if isinstance(theirs, bytes) else theirs
+        if theirs != text:
+            raise ValueError(
+                f"rank {me}: new_group made group {name!r} of ranks {members} here and of "
+                f"ranks [{theirs.replace(',', ', ')}] on rank {r}; every rank must call "
+                "new_group in the same order with the same ranks"
+            )
 
 
 # -- argument checks ------------------------------------------------------------------------------
