@@ -233,6 +233,29 @@ def _sub_only():
     assert (x == 4).all()
 
 
+def _world_on_a_fresh_store(rank, n, store):
+    pb.init_process_group("threads", rank=rank, world_size=n, store=store, timeout=10)
+    try:
+        x = np.ones(1)
+        pb.all_reduce(x)
+        return float(x[0])
+    finally:
+        pb.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_threads_that_ran_a_world_before_meet_fresh_ones_on_a_fresh_store():
+    """A default group started again keys a store that held one before under a prefix; one on a
+    fresh store does not, whatever its thread ran before (here: two of four)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for n in (2, 4):
+            store = pb.HashStore(timeout=10)
+            results = list(pool.map(_world_on_a_fresh_store, range(n), [n] * n, [store] * n))
+            assert results == [float(n)] * n
+
+
 def _groups_in_another_order():
     """Rank 0 makes [0, 1] then [0, 2]; the others make them the other way round."""
     order = [[0, 1], [0, 2]] if pb.get_rank() == 0 else [[0, 2], [0, 1]]

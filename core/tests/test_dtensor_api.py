@@ -730,6 +730,8 @@ def _torch_spellings_body():
     assert (x.dim(), x.numel(), len(x)) == (2, 12, 3)
     y = from_local(x.to_local(), mesh, [Shard(0), Replicate()], shape=(3, 4), stride=(4, 1))
     assert y.layout is x.layout
+    scalar = distribute_tensor(np.array(2.0), mesh)
+    assert from_local(scalar.to_local(), mesh, shape=(), stride=()).full_tensor() == 2.0
     with pytest.raises(ValueError, match=r"stride can only be \(4, 1\)"):
         from_local(x.to_local(), mesh, [Shard(0), Replicate()], shape=(3, 4), stride=(1, 3))
     np.testing.assert_array_equal(
@@ -759,13 +761,18 @@ def _from_a_source_rank_body():
     assert mine[0, 0] == 100 * rank
     with pytest.raises(ValueError, match="src_data_rank=2 must be an index of every mesh"):
         distribute_tensor(mine, mesh, src_data_rank=2)
+    with pytest.raises(ValueError, match="src_data_rank=True must be an index"):
+        distribute_tensor(mine, mesh, src_data_rank=True)
+    numpy_k = distribute_tensor(mine, mesh, [Replicate(), Replicate()], src_data_rank=np.int64(1))
+    got.append(numpy_k.to_local())
     return got
 
 
 def test_distribute_tensor_from_a_source_rank():
-    for first, last in run_ranks(_from_a_source_rank_body, 4, timeout=40):
+    for first, last, numpy_k in run_ranks(_from_a_source_rank_body, 4, timeout=40):
         np.testing.assert_array_equal(first, np.arange(12.0).reshape(3, 4))
         np.testing.assert_array_equal(last, np.arange(12.0).reshape(3, 4) + 300)
+        np.testing.assert_array_equal(numpy_k, last)
 
 
 def test_torch_spellings_work():

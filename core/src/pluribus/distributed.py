@@ -212,10 +212,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-#: how many default groups this thread has started (see init_process_group)
-_groups_started = threading.local()
-
-
 def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
@@ -250,12 +246,11 @@ def init_process_group(
         if rank is None or world_size is None:
             raise ValueError("init_process_group(store=...) needs rank= and world_size=")
         owns_store = False
-    # Each default group this thread starts (after a destroy, again) keys the store under a
-    # prefix of its own: a store that outlives the group (the launcher's) still holds the
-    # last one's keys, which a backend would read as this one's. Every rank starts and
-    # destroys in the same order, so the ranks agree on the count.
-    started = getattr(_groups_started, "count", 0)
-    _groups_started.count = started + 1
+    # Each default group started on a store that held one before (the launcher's outlives a
+    # group) keys it under a prefix of its own, or a backend would read the last group's keys
+    # as this one's. Each rank counts its own starts in the store itself: a fresh store
+    # starts every rank at 0, whatever the process or thread ran before.
+    started = store.add(f"pluribus/default-groups-started/{rank}", 1) - 1
     keys = store if started == 0 else PrefixStore(f"restart-{started}", store)
     group = _create_group(
         group_name, list(range(world_size)), rank, mapping, keys, seconds, backend_options or {}
@@ -430,9 +425,10 @@ def _check_members(parent: ProcessGroup, name: str, members: list[int], timeout:
     as a collective's timeout; here the error says so."""
     me, text = parent.global_rank, ",".join(map(str, members))
     parent.store.set(f"{name}/members/{me}", text)
-    for r in members:
-        if r == me:
-            continue
+    # each member compares with the first (the first with the second): one read each, and a
+    # member that disagrees with the first learns it
+    others = [r for r in members if r != me]
+    for r in others[:1]:
         try:
             theirs = parent.store.get(f"{name}/members/{r}", timeout)
         except (DistTimeoutError, TimeoutError):

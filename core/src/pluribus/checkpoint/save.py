@@ -20,7 +20,6 @@ import shutil
 import threading
 import uuid
 import weakref
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,32 +54,8 @@ class Snapshot:
     #: key -> [global shape, dtype name, saved layout]
     tensors: dict[str, list] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
-    #: key -> checksum of the first and last bytes of each whole array (:func:`_sample_sum`)
-    samples: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     checksum: str = ""
-
-
-#: bytes from each end of a whole array that every rank sums before saving
-SAMPLE_BYTES = 4096
-
-
-def _sample_sum(array: Any) -> int:
-    """CRC-32 of a whole array's first and last ``SAMPLE_BYTES`` (little-endian): arrays that
-    should be equal on every rank but differ throughout (each rank's piece of a split
-    parameter) are told apart without reading them whole."""
-    k, n = max(1, SAMPLE_BYTES // max(1, array.itemsize)), array.size
-    if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
-        ends = [array.flat[:k], array.flat[max(k, n - k) : n]]  # copies these elements only
-    else:
-        flat = array.reshape(-1)
-        ends = [flat[:k], flat[max(k, n - k) :]]
-    total = 0
-    for end in ends:
-        end = end.get() if is_cupy(end) else np.asarray(end)
-        dtype = end.dtype.newbyteorder("<") if end.dtype.byteorder == ">" else end.dtype
-        total = zlib.crc32(np.ascontiguousarray(end, dtype=dtype).tobytes(), total)
-    return total
 
 
 def _host(array: Any, copy: bool) -> np.ndarray:
@@ -126,10 +101,8 @@ def take_snapshot(state_dict: dict, rank: int, world_size: int, copy: bool) -> S
                 offsets, sizes = dtensor_box(leaf.value)
                 if math.prod(sizes) > 0 and writes_dtensor_piece(leaf.key, leaf.value):
                     snap.pieces.append((leaf.key, offsets, _host(local, copy)))
-            else:
-                snap.samples[leaf.key] = _sample_sum(local)
-                if owners[leaf.key] == rank and local.size > 0:
-                    snap.pieces.append((leaf.key, (0,) * len(shape), _host(local, copy)))
+            elif owners[leaf.key] == rank and local.size > 0:
+                snap.pieces.append((leaf.key, (0,) * len(shape), _host(local, copy)))
     except (TypeError, ValueError) as e:
         snap.error = str(e)
     return snap
@@ -227,23 +200,6 @@ def _exchange(group, obj: Any) -> list[Any]:
     return [obj] if group is None else dist.all_gather_object(obj, group=group)
 
 
-def _unequal_arrays(items: list[dict], group) -> list[str]:
-    """The whole arrays whose sampled bytes differ between ranks: one rank would save its own
-    as everyone's."""
-    ranks = group.ranks if group is not None else [0]
-    first = items[0]["samples"]
-    for r, item in enumerate(items[1:], 1):
-        for key, sample in item["samples"].items():
-            if first.get(key, sample) != sample:
-                return [
-                    f"the array {key!r} differs between ranks {ranks[0]} and {ranks[r]}; a "
-                    "plain array is saved once, so it must be the same on every rank (as "
-                    "under DDP). A tensor-parallel model's parameters are pieces: save "
-                    "full_parameter(p) or a DTensor (DTensor.from_local) instead"
-                ]
-    return []
-
-
 def _failures(items: list[dict], group) -> list[str]:
     ranks = group.ranks if group is not None else [0]
     return [f"rank {ranks[r]}: {item['error']}" for r, item in enumerate(items) if item["error"]]
@@ -268,13 +224,10 @@ def write_and_commit(
             os.mkdir(commit.temporary_dir(path, token))
         except OSError as e:
             error = f"cannot create {commit.temporary_dir(path, token)}: {e}"
-    agreed = _exchange(
-        group,
-        {"error": error, "token": token, "checksum": snap.checksum, "samples": snap.samples},
-    )
+    agreed = _exchange(group, {"error": error, "token": token, "checksum": snap.checksum})
     tmp = commit.temporary_dir(path, agreed[coordinator]["token"])
     snap.checksum = agreed[coordinator]["checksum"]  # every rank sums as the coordinator does
-    failed = _failures(agreed, group) or _unequal_arrays(agreed, group)
+    failed = _failures(agreed, group)
     if failed:
         if is_coordinator:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,7 @@ Only ``redistribute`` (and ``from_local``'s check) communicates; everything else
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -425,13 +426,17 @@ def distribute_tensor(
     return DTensor(local, mesh, layout)
 
 
-def _from_source(tensor: Any, mesh: DeviceMesh, k: int) -> Any:
+def _from_source(tensor: Any, mesh: DeviceMesh, given: int) -> Any:
     """A copy of the array at mesh coordinate ``(k, ..., k)``: broadcast along each mesh
     dimension in turn from the member at ``k`` (after dimension ``m``, every rank that agrees
     with the source on the later dimensions holds it; after the last, every rank)."""
-    if not isinstance(k, int) or isinstance(k, bool) or not all(0 <= k < n for n in mesh.shape):
+    try:
+        k = operator.index(given) if not isinstance(given, (bool, np.bool_)) else None
+    except TypeError:
+        k = None
+    if k is None or not all(0 <= k < n for n in mesh.shape):
         raise ValueError(
-            f"rank {_rank()}: src_data_rank={k!r} must be an index of every mesh dimension "
+            f"rank {_rank()}: src_data_rank={given!r} must be an index of every mesh dimension "
             f"(mesh shape {mesh.shape})"
         )
     copy = array_namespace(tensor).array(tensor)  # the caller's array stays as it was
@@ -460,7 +465,11 @@ def from_local(
     mesh = device_mesh
     rank = _rank()
     if stride is not None:
-        want = tuple(int(np.prod(shape[k + 1 :])) for k in range(len(shape))) if shape else None
+        want = (
+            None
+            if shape is None
+            else tuple(int(np.prod(shape[k + 1 :])) for k in range(len(shape)))
+        )
         if want is None or tuple(stride) != want:
             raise ValueError(
                 f"rank {rank}: from_local(stride={tuple(stride)}): a DTensor is C-contiguous, "

@@ -82,6 +82,7 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
         if a.shape != b.shape:
             _fail(f"{name} of DTensors of shapes {a.shape} and {b.shape}: shapes must be equal")
         placements = []
+        terms = []  # (mesh dimension, Partial, its operand) of the Partials the result keeps
         for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
             if pa == pb and not isinstance(pa, Partial):
                 if a.layout.sizes[m] != b.layout.sizes[m]:
@@ -92,6 +93,7 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
                 placements.append(pa)
             elif pa == pb and name in ("add", "sub") and pa.op in _LINEAR:
                 placements.append(pa)
+                terms += [(m, pa, a), (m, pb, b)]
             elif (
                 name in ("mul", "div")
                 and isinstance(pa, Partial)
@@ -99,22 +101,22 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
                 and isinstance(pb, Replicate)
             ):
                 placements.append(pa)
+                terms.append((m, pa, a))
             elif (
                 name == "mul" and isinstance(pb, Partial) and pb.op in _LINEAR and pa == Replicate()
             ):
                 placements.append(pb)
+                terms.append((m, pb, b))
             else:
                 _fail(
                     f"{name} of {pa!r} and {pb!r} on mesh dimension {m} has no local rule; "
                     "redistribute the operands to equal placements (Partial to Replicate) first"
                 )
         la, lb = a.to_local(), b.to_local()
-        xp = array_namespace(la)
-        result = fn(xp.empty(0, la.dtype), xp.empty(0, lb.dtype)).dtype  # no arithmetic
-        for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
-            for p, operand in ((pa, la), (pb, lb)):
-                if isinstance(p, Partial):
-                    _refuse_widened(p, m, operand.dtype, result, name)
+        if terms:  # the result's dtype from host arrays of no elements: no arithmetic, no device
+            result = fn(np.empty(0, la.dtype), np.empty(0, lb.dtype)).dtype
+            for m, p, operand in terms:
+                _refuse_widened(p, m, operand.dtype, result, name)
         layout = Layout(a.shape, tuple(placements), a.layout.sizes)
         return DTensor(fn(la, lb), a.device_mesh, layout)
     x, given = (a, b) if isinstance(a, DTensor) else (b, a)
