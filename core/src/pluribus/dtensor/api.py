@@ -71,7 +71,7 @@ class DTensor:
         return len(self._layout.shape)
 
     def dim(self) -> int:
-        return len(self._layout.shape)
+        return self.ndim
 
     def numel(self) -> int:
         """Elements of the whole array."""

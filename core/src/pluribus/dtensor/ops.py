@@ -251,11 +251,10 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(a % ndim for a in axes))
 
 
-def _sum_dtype(name: str, dtype: Any) -> Any:
-    """The dtype a sum accumulates in: numpy's, except unsigned integers, which numpy sums as
-    uint64 (no collective carries it) and which sum here as int64 (the same bits); None:
-    numpy's choice."""
-    return np.int64 if name == "sum" and np.dtype(dtype).kind == "u" else None
+def _sum_dtype(dtype: Any) -> Any:
+    """The dtype a sum accumulates in: numpy's (None), except unsigned integers, which numpy
+    sums as uint64 (no collective carries it) and which sum here as int64 (the same bits)."""
+    return np.int64 if np.dtype(dtype).kind == "u" else None
 
 
 def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, options: dict) -> DTensor:
@@ -281,11 +280,7 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, options: dict) -> 
             if (name in ("sum", "mean") and p.op in _LINEAR) or p.op == name:
                 if name in ("sum", "mean"):
                     one = np.zeros(1, x.dtype)  # the reduction's dtype, from numpy's rule
-                    made = (
-                        np.sum(one, dtype=_sum_dtype(name, x.dtype))
-                        if name == "sum"
-                        else np.mean(one)
-                    )
+                    made = np.sum(one, dtype=_sum_dtype(x.dtype)) if name == "sum" else np.mean(one)
                     _refuse_widened(p, m, x.dtype, made.dtype, name)
                 placements.append(p)
             else:
@@ -298,7 +293,7 @@ def _reduce(name: str, x: DTensor, axis: Any, keepdims: bool, options: dict) -> 
     local = x.to_local()
     xp = array_namespace(local)
     if name == "sum":
-        out = xp.sum(local, axis=axes, keepdims=keepdims, dtype=_sum_dtype(name, local.dtype))
+        out = xp.sum(local, axis=axes, keepdims=keepdims, dtype=_sum_dtype(local.dtype))
     elif name == "mean" and reduced_sharded:  # each term: the piece's sum over the whole count
         count = int(np.prod([x.shape[a] for a in axes]))
         narrow = _is_float(local.dtype) and np.dtype(local.dtype).itemsize < 4
@@ -389,11 +384,15 @@ def matmul(a: DTensor, b: DTensor) -> DTensor:
                 "redistribute one operand (to Replicate, or the contracted dimensions to Shard "
                 "on both) first"
             )
-    out = a.to_local() @ b.to_local()
-    for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
-        for p, operand in ((pa, a), (pb, b)):
-            if isinstance(p, Partial):
-                _refuse_widened(p, m, operand.dtype, out.dtype, "matmul")
+    la, lb = a.to_local(), b.to_local()
+    if any(isinstance(p, Partial) for p in (*a.placements, *b.placements)):
+        # the product's dtype from host arrays of no elements, before any arithmetic
+        result = (np.empty((0, 0), la.dtype) @ np.empty((0, 0), lb.dtype)).dtype
+        for m, (pa, pb) in enumerate(zip(a.placements, b.placements, strict=True)):
+            for p, operand in ((pa, la), (pb, lb)):
+                if isinstance(p, Partial):
+                    _refuse_widened(p, m, operand.dtype, result, "matmul")
+    out = la @ lb
     return DTensor(out, a.device_mesh, Layout(shape, tuple(placements), tuple(sizes)))
 
 

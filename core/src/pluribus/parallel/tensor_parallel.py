@@ -24,6 +24,7 @@ from ..mesh import DeviceMesh
 from ..nn.layers import Dropout, Linear
 from ..nn.module import Module, Parameter, Sequential, array_namespace
 from ..nn.transformer import CausalSelfAttention
+from .clip_norm import norm_exponent, norm_part, scale_to_norm
 
 
 def _rank_text(mesh: DeviceMesh) -> str:
@@ -139,11 +140,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     replicated parameters stay equal; returns that norm, of the gradients before clipping.
     Under DDP, call it after backward (the gradients are already averaged). Collective over
     each tensor-parallel mesh: every rank passes its parameters in the same order."""
-    p = float(norm_type)
-    if not p > 0:
-        raise ValueError(
-            f"rank {dist.get_rank()}: clip_grad_norm_ takes norm_type > 0 or inf, got {norm_type}"
-        )
+    p = norm_exponent(norm_type)
     infinite = np.isinf(p)
 
     def combine(a: Any, b: Any) -> Any:
@@ -164,11 +161,8 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
             continue
         grads.append(g)
         xp = array_namespace(g)
-        magnitude = abs(g.astype(np.float64))
-        if g.size == 0:  # an empty piece still takes part in its mesh's all-reduce
-            part = xp.zeros((), np.float64)
-        else:
-            part = magnitude.max() if infinite else (magnitude**p).sum()
+        # an empty piece still takes part in its mesh's all-reduce
+        part = xp.zeros((), np.float64) if g.size == 0 else norm_part(g, p)
         layout = getattr(param, "tp_layout", None)
         key = (None if layout is None else layout[0], xp)
         previous = parts.get(key)
@@ -183,13 +177,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
             dist.all_reduce(part, op=op, group=mesh.get_group())
             part = part[0]
         total = combine(total, float(part))
-    total = 0.0 if total is None else total
-    norm = total if infinite else total ** (1.0 / p)
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1.0:
-        for g in grads:
-            g *= coefficient
-    return norm
+    return scale_to_norm(grads, 0.0 if total is None else total, p, max_norm)
 
 
 def _local_output_only(style: str, use_local_output: bool) -> None:

@@ -11,17 +11,14 @@ from typing import Any
 import numpy as np
 
 from ... import distributed as dist
+from ..clip_norm import norm_exponent, norm_part, scale_to_norm
 
 
 def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> float:
     """Scale every gradient by ``max_norm / (norm + 1e-6)`` when the total norm exceeds
     ``max_norm``; returns the total norm (of the gradients before clipping), as torch does.
     ``norm_type``: any p > 0, or ``inf``."""
-    p = float(norm_type)
-    if not (p > 0):
-        raise ValueError(
-            f"rank {dist.get_rank()}: clip_grad_norm_ takes norm_type > 0 or inf, got {norm_type}"
-        )
+    p = norm_exponent(norm_type)
     infinite = math.isinf(p)
     partial: dict[int, list[Any]] = {}  # per shard group: [group, value]
     grads, xp = [], np
@@ -36,8 +33,7 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
             grads.append(g)
             if g.size == 0:
                 continue
-            a = abs(g.astype(np.float64))
-            value = float(a.max()) if infinite else float((a**p).sum())
+            value = float(norm_part(g, p))
             entry[1] = max(entry[1], value) if infinite else entry[1] + value
     total = 0.0
     for group, value in partial.values():
@@ -47,9 +43,4 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
             dist.all_reduce(buf, op=op, group=group)
             value = float(buf[0])
         total = max(total, value) if infinite else total + value
-    norm = total if infinite else total ** (1.0 / p)
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1.0:
-        for g in grads:
-            g *= coefficient
-    return norm
+    return scale_to_norm(grads, total, p, max_norm)
