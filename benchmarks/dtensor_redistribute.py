@@ -73,6 +73,10 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
     local, term = shard.to_local(), partial.to_local()
     buffer = whole.copy()
     donated = iter([DTensor(buffer, mesh, partial.layout) for _ in range(MOST_CALLS)])
+    donated_again = iter([DTensor(buffer, mesh, partial.layout) for _ in range(MOST_CALLS)])
+    # what a training loop hands the hand-written call: a new array object each step (a fresh
+    # gradient), here a new view of the same buffer, so that both sides read the same memory
+    fresh = iter([buffer[...] for _ in range(MOST_CALLS)])
     p, rows = pb.get_world_size(), local.shape[0]
     cols = whole.shape[1] // p
 
@@ -101,6 +105,12 @@ def _pairs(mesh, nbytes: int, xp) -> dict:
         "all_reduce donated": (
             lambda: next(donated).redistribute(placements=[Replicate()], donate=True),
             lambda: pb.all_reduce(buffer),
+        ),
+        # the same, with a new operand object on both sides: the reused buffer above stays in
+        # the cache, a new DTensor per call does not
+        "donated vs fresh": (
+            lambda: next(donated_again).redistribute(placements=[Replicate()], donate=True),
+            lambda: pb.all_reduce(next(fresh)),
         ),
         "reduce_scatter": (
             lambda: partial.redistribute(placements=[Shard(0)]),
