@@ -12,7 +12,10 @@ from collections import Counter
 import numpy as np
 import pluribus as pb
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pluribus import checkpoint
+from pluribus.checkpoint.planning import regrouped
 from pluribus.dtensor import Shard, distribute_tensor, init_device_mesh
 from pluribus.testing import run_ranks
 
@@ -78,3 +81,41 @@ def test_loading_exchanges_only_its_outcome(tmp_path, monkeypatch):
     monkeypatch.setattr(distributed, "all_gather", counted)
     run_ranks(_load, 3, args=(path, 0))
     assert calls == {"rank0": 4, "rank1": 4, "rank2": 4}
+
+
+@st.composite
+def _regrouped_case(draw):
+    """A tensor saved as (k, m, *rest) or (k * m, *rest), the other form, and a box of it."""
+    k, m = draw(st.integers(1, 4)), draw(st.integers(0, 5))
+    rest = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+    blocked, merged = (k, m, *rest), (k * m, *rest)
+    saved, shape = (blocked, merged) if draw(st.booleans()) else (merged, blocked)
+    offsets, sizes = [], []
+    for n in shape:
+        lo = draw(st.integers(0, n))
+        offsets.append(lo)
+        sizes.append(draw(st.integers(0, n - lo)))
+    return saved, shape, (tuple(offsets), tuple(sizes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_regrouped_case())
+def test_a_box_of_one_form_is_found_in_the_other(case):
+    """Each part of the box, read from the saved form, holds the box's elements in place, and
+    the parts cover the box exactly once."""
+    saved, shape, (offsets, sizes) = case
+    tensor = np.arange(math.prod(saved)).reshape(saved)
+    box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+    want = tensor.reshape(shape)[box]
+    got = np.full(want.shape, -1)
+    for index, (o, n) in regrouped((offsets, sizes), shape, saved):
+        part = got[index].reshape(n)
+        assert np.shares_memory(part, got) or part.size == 0
+        assert (part == -1).all()  # not filled twice
+        part[...] = tensor[tuple(slice(a, a + b) for a, b in zip(o, n, strict=True))]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_shapes_that_are_no_regrouping_are_refused():
+    assert regrouped(((0, 0), (4, 4)), (4, 4), (2, 8)) is None
+    assert regrouped(((0,), (6,)), (6,), (4, 2)) is None

@@ -24,20 +24,21 @@ from . import commit
 from .checksums import aligned, first_bad_block
 from .errors import CheckpointError
 from .metadata import Metadata, TensorInfo, read_metadata
-from .planning import Read, dtensor_box, plan_reads
+from .planning import Read, dtensor_box, plan_reads, regrouped
 from .safetensors_io import Entry, numpy_dtype, read_header
 from .state import DTENSOR, VALUE, Leaf, flatten, is_cupy, restore_value
 
 
 @dataclass
 class Destination:
-    """Where a key's bytes go on this rank: a host array, then (for cupy pieces and numpy
-    scalars) where that array is put afterwards."""
+    """Where a key's bytes go on this rank: a host array (in ``parts``: views of it, each with
+    the reads that fill it), then (for cupy pieces and numpy scalars) where that array is put
+    afterwards."""
 
     key: str
     info: TensorInfo
     host: np.ndarray
-    reads: list[Read]
+    parts: list[tuple[np.ndarray, list[Read]]]
     finish: Any = None
 
 
@@ -55,11 +56,14 @@ def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
         local, shape = value, tuple(np.shape(value))
         box = ((0,) * len(shape), shape)
     dtype = np.dtype(local.dtype)
-    if tuple(shape) != info.shape or dtype.name != info.dtype:
+    shape = tuple(shape)
+    pieces = None if shape == info.shape else regrouped(box, shape, info.shape)
+    if (shape != info.shape and pieces is None) or dtype.name != info.dtype:
         raise ValueError(
             f"rank {rank}: {leaf.key!r} is saved as {list(info.shape)} {info.dtype}, but the "
             f"state dict holds {list(shape)} {dtype.name}; load into an array of the saved "
-            "global shape and dtype (any layout)"
+            "global shape (or that shape with its first two dimensions merged, or the first "
+            "split in equal blocks) and dtype, in any layout"
         )
     finish = None
     if is_cupy(local):
@@ -74,7 +78,18 @@ def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
             raise ValueError(
                 f"rank {rank}: {leaf.key!r} is a read-only array; load writes in place"
             )
-    return Destination(leaf.key, info, host, plan_reads(info, box), finish)
+    if pieces is None:
+        return Destination(leaf.key, info, host, [(host, plan_reads(info, box))], finish)
+    parts = []
+    for index, saved_box in pieces:
+        view = host[index].reshape(saved_box[1])
+        if view.size and not np.shares_memory(view, host):
+            raise ValueError(
+                f"rank {rank}: {leaf.key!r} is saved as {list(info.shape)}; loading it into "
+                f"{list(shape)} takes a C-contiguous array"
+            )
+        parts.append((view, plan_reads(info, saved_box)))
+    return Destination(leaf.key, info, host, parts, finish)
 
 
 def plan_load(
@@ -187,42 +202,56 @@ def _read_exactly(fd: int, buffers: list[memoryview], offset: int, path: str) ->
 
 
 def read_into(dest: Destination, files: DataFiles, meta: Metadata, verify: bool) -> None:
-    block = meta.block_bytes
     dtype = numpy_dtype(dest.info.dtype)
-    for read in dest.reads:
-        fd, entry, path = files.entry(dest.key, read, dtype.itemsize)
-        sizes = read.chunk.sizes
-        row_bytes = math.prod(sizes[1:]) * dtype.itemsize if sizes else dtype.itemsize
-        chunk_bytes = entry.end - entry.begin
-        begin, end = read.rows[0] * row_bytes, read.rows[1] * row_bytes
-        start, stop = aligned(begin, end, block, chunk_bytes) if verify else (begin, end)
-        target = dest.host[read.target] if read.target else dest.host
-        whole_rows = all(
-            s.start == 0 and s.stop == n for s, n in zip(read.source[1:], sizes[1:], strict=True)
-        )
-        direct = whole_rows and target.flags.c_contiguous and target.size > 0
-        if direct:
-            middle = memoryview(target.reshape(-1).view(np.uint8))
+    for host, reads in dest.parts:
+        for read in reads:
+            _read_one(dest.key, host, read, dtype, files, meta, verify)
+
+
+def _read_one(
+    key: str,
+    host: np.ndarray,
+    read: Read,
+    dtype: np.dtype,
+    files: DataFiles,
+    meta: Metadata,
+    verify: bool,
+) -> None:
+    """Copy ``read``'s bytes of ``key`` into ``host`` (the destination's array or a view)."""
+    block = meta.block_bytes
+    fd, entry, path = files.entry(key, read, dtype.itemsize)
+    sizes = read.chunk.sizes
+    row_bytes = math.prod(sizes[1:]) * dtype.itemsize if sizes else dtype.itemsize
+    chunk_bytes = entry.end - entry.begin
+    begin, end = read.rows[0] * row_bytes, read.rows[1] * row_bytes
+    start, stop = aligned(begin, end, block, chunk_bytes) if verify else (begin, end)
+    target = host[read.target] if read.target else host
+    whole_rows = all(
+        s.start == 0 and s.stop == n for s, n in zip(read.source[1:], sizes[1:], strict=True)
+    )
+    direct = whole_rows and target.flags.c_contiguous and target.size > 0
+    if direct:
+        middle = memoryview(target.reshape(-1).view(np.uint8))
+    else:
+        staging = np.empty((read.rows[1] - read.rows[0], *sizes[1:]), dtype)
+        middle = memoryview(staging.reshape(-1).view(np.uint8))
+    segments = [memoryview(bytearray(begin - start)), middle, memoryview(bytearray(stop - end))]
+    segments = [s for s in segments if len(s)]
+    _read_exactly(fd, list(segments), entry.begin + start, path)
+    if verify:
+        bad = first_bad_block(segments, start, block, read.chunk.checksums, meta.checksum)
+        if bad is not None:
+            raise CheckpointError(
+                f"{path}: checksum mismatch in tensor {read.chunk.name!r} of {key!r}, "
+                f"chunk at offsets {list(read.chunk.offsets)} sizes {list(sizes)}, bytes "
+                f"{bad * block}..{min((bad + 1) * block, chunk_bytes)} of the chunk: the file "
+                "is corrupt; restore it or load an earlier checkpoint"
+            )
+    if not direct:
+        if read.target:
+            host[read.target] = staging[read.source]
         else:
-            staging = np.empty((read.rows[1] - read.rows[0], *sizes[1:]), dtype)
-            middle = memoryview(staging.reshape(-1).view(np.uint8))
-        segments = [memoryview(bytearray(begin - start)), middle, memoryview(bytearray(stop - end))]
-        segments = [s for s in segments if len(s)]
-        _read_exactly(fd, list(segments), entry.begin + start, path)
-        if verify:
-            bad = first_bad_block(segments, start, block, read.chunk.checksums, meta.checksum)
-            if bad is not None:
-                raise CheckpointError(
-                    f"{path}: checksum mismatch in tensor {read.chunk.name!r} of {dest.key!r}, "
-                    f"chunk at offsets {list(read.chunk.offsets)} sizes {list(sizes)}, bytes "
-                    f"{bad * block}..{min((bad + 1) * block, chunk_bytes)} of the chunk: the file "
-                    "is corrupt; restore it or load an earlier checkpoint"
-                )
-        if not direct:
-            if read.target:
-                dest.host[read.target] = staging[read.source]
-            else:
-                dest.host[...] = staging.reshape(dest.host.shape)
+            host[...] = staging.reshape(host.shape)
 
 
 def _agree(group, error: str | None, what: str) -> None:

@@ -110,6 +110,32 @@ def plan_reads(info: TensorInfo, box: Box) -> list[Read]:
     return reads
 
 
+def regrouped(box: Box, shape: tuple[int, ...], saved: tuple[int, ...]) -> list | None:
+    """Where ``box`` of a tensor of ``shape`` lies in the same tensor saved as ``saved``, when
+    the two differ only in the leading dimension split into equal blocks: ``(n, ...)`` and
+    ``(k, n / k, ...)`` (a fused q, k, v projection whole, or with its blocks first as a
+    tensor-parallel checkpoint holds it). A list of ``(index, box in saved)``: ``index`` picks
+    from the destination piece the part that fills the saved box (reshaped to its sizes); None
+    when the shapes are not such a pair."""
+    (offsets, sizes), parts = box, []
+    if len(saved) == len(shape) + 1 and saved[2:] == shape[1:] and saved[0] * saved[1] == shape[0]:
+        m = saved[1]  # rows per block
+        first, end = offsets[0], offsets[0] + sizes[0]
+        blocks = range(first // m, -(-end // m)) if m and sizes[0] else range(0)  # overlapped
+        for b in blocks:
+            lo, hi = max(first, b * m), min(end, (b + 1) * m)
+            index = (slice(lo - first, hi - first),)
+            parts.append((index, ((b, lo - b * m, *offsets[1:]), (1, hi - lo, *sizes[1:]))))
+        return parts
+    if len(shape) == len(saved) + 1 and shape[2:] == saved[1:] and shape[0] * shape[1] == saved[0]:
+        m = shape[1]
+        for b in range(offsets[0], offsets[0] + sizes[0]):
+            start = b * m + offsets[1]
+            parts.append(((b - offsets[0],), ((start, *offsets[2:]), sizes[1:])))
+        return parts
+    return None
+
+
 def describe_layout(value: Any) -> str:
     """How a tensor was held when saved, for ``inspect``."""
     if isinstance(value, DTensor):

@@ -52,6 +52,10 @@ class Parameter:
         #: Where :meth:`accumulate_grad` puts a fresh gradient, if set: DDP points it into its
         #: communication buffer, so gradients need no copy before or after the all-reduce.
         self.grad_view: Any = None
+        #: How many equal blocks the parameter stacks along dimension 0 (a fused q, k, v
+        #: projection: 3). Tensor parallelism splits each block alike, and a state dict for
+        #: checkpoints holds them as a leading dimension, so that a rank's piece is one box.
+        self.blocks = 1
         self._grad_hooks: list[GradHook] = []
 
     def __repr__(self) -> str:

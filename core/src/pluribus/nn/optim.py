@@ -77,6 +77,21 @@ class Optimizer:
     def _update(self, param: Parameter, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def _initial_state(self, param: Parameter, group: dict[str, Any]) -> dict[str, Any]:
+        """The state a parameter's first step starts from (nothing, for a stateless rule)."""
+        return {}
+
+    def init_state(self) -> None:
+        """Give every parameter that has no state yet the state its first step starts from, so
+        that a checkpoint load has arrays to fill (torch's ``_init_optim_state``); the next
+        step then does what a first one would."""
+        index = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not self.state[index]:
+                    self.state[index] = self._initial_state(param, group)
+                index += 1
+
     def state_dict(self) -> dict[str, Any]:
         """Flat name -> array mapping (``"3.exp_avg"``, ``"group.0.lr"``), ready for
         ``np.savez``."""
@@ -141,11 +156,16 @@ class SGD(Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = state["momentum_buffer"] = xp.array(grad, copy=True)
-            else:
+            else:  # a zero buffer (init_state) gives the first step's copy of the gradient
                 buf *= momentum
                 buf += grad
             grad = grad + momentum * buf if group["nesterov"] else buf
         param.data -= group["lr"] * grad
+
+    def _initial_state(self, param: Parameter, group: dict[str, Any]) -> dict[str, Any]:
+        if not group["momentum"]:
+            return {}
+        return {"momentum_buffer": array_namespace(param.data).zeros_like(param.data)}
 
 
 class AdamW(Optimizer):
@@ -168,9 +188,7 @@ class AdamW(Optimizer):
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
         if "exp_avg" not in state:
-            state["exp_avg"] = xp.zeros_like(param.data)
-            state["exp_avg_sq"] = xp.zeros_like(param.data)
-            state["step"] = np.zeros((), dtype=np.int64)
+            state.update(self._initial_state(param, group))
         state["step"] += 1
         t = int(state["step"])
         m, v, g = state["exp_avg"], state["exp_avg_sq"], param.grad
@@ -182,6 +200,14 @@ class AdamW(Optimizer):
         step_size = lr / (1 - beta1**t)
         denom = xp.sqrt(v / (1 - beta2**t)) + eps
         param.data -= step_size * (m / denom)
+
+    def _initial_state(self, param: Parameter, group: dict[str, Any]) -> dict[str, Any]:
+        xp = array_namespace(param.data)
+        return {
+            "exp_avg": xp.zeros_like(param.data),
+            "exp_avg_sq": xp.zeros_like(param.data),
+            "step": np.zeros((), dtype=np.int64),
+        }
 
 
 class LambdaLR:

@@ -55,6 +55,8 @@ class CausalSelfAttention(Composite):
         self.head_dim = embed_dim // num_heads
         if fused_qkv:
             self.qkv = Linear(embed_dim, 3 * embed_dim, bias=bias, dtype=dtype, rng=rng)
+            for param in self.qkv.parameters():  # q, k and v, one after the other
+                param.blocks = 3
         else:
             self.query = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, rng=rng)
             self.key = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, rng=rng)

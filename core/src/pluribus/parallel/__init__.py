@@ -1,5 +1,5 @@
 """Parallel training on top of the collective hooks: data parallelism, fully sharded data
-parallelism, synced batch norm and tensor parallelism."""
+parallelism, synced batch norm and tensor parallelism, and one state dict for all of them."""
 
 from . import comm_hooks
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
@@ -11,6 +11,12 @@ from .fsdp import (
     OffloadPolicy,
     ShardingStrategy,
     fully_shard,
+)
+from .state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .tensor_parallel import (
@@ -53,4 +59,8 @@ __all__ = [
     "comm_hooks",
     "convert_sync_batchnorm",
     "fp16_compress_hook",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
 ]

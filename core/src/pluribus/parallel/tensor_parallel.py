@@ -226,17 +226,17 @@ class ColwiseParallel(ParallelStyle):
         _local_output_only("ColwiseParallel", use_local_output)
         self.input_layout = input_layouts or Replicate()
         self.output_layout = output_layouts or Shard(-1)
-        self._chunks = 1
         self._reduce_input_grad = True
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         _check_linear(module, mesh, "ColwiseParallel")
-        if module.out_features % self._chunks:
-            raise ValueError(f"{_rank_text(mesh)}: cannot split {module!r} in {self._chunks}")
+        blocks = module.weight.blocks  # each of a fused projection's blocks split alike
+        if module.out_features % blocks:
+            raise ValueError(f"{_rank_text(mesh)}: cannot split {module!r} in {blocks}")
         full_out = module.out_features
-        _shard_parameter(module.weight, 0, mesh, self._chunks)
+        _shard_parameter(module.weight, 0, mesh, blocks)
         if module.bias is not None:
-            _shard_parameter(module.bias, 0, mesh, self._chunks)
+            _shard_parameter(module.bias, 0, mesh, blocks)
         module.out_features = int(module.weight.data.shape[0])
         inp, out, features = self.input_layout, self.output_layout, module.in_features
         if inp != Replicate():
@@ -244,7 +244,7 @@ class ColwiseParallel(ParallelStyle):
                 lambda m, args: (_move(args[0], mesh, inp, Replicate(), features),)
             )
         if out != Shard(-1):
-            if self._chunks != 1:
+            if blocks != 1:
                 raise ValueError(f"{_rank_text(mesh)}: a fused projection keeps Shard(-1)")
 
             def gather_output(m, args, y):
@@ -361,7 +361,6 @@ class AttentionParallel(ParallelStyle):
         projections = [module.qkv] if module.fused_qkv else [module.query, module.key, module.value]
         for linear in projections:
             style = ColwiseParallel()
-            style._chunks = 3 if module.fused_qkv else 1
             style._reduce_input_grad = False
             style.apply(linear, mesh)
         outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)

@@ -16,6 +16,7 @@ import numpy as np
 from ... import distributed as dist
 from ...dtensor import DTensor
 from ...nn.module import array_namespace
+from ..optim_state import group_entries, load_named_optim_state_dict, named_optim_state_dict
 
 
 def _index(model: Any) -> dict[int, tuple[Any, int]]:
@@ -110,35 +111,16 @@ def full_state_dict(model: Any) -> dict[str, Any]:
     return out
 
 
-def _group_entries(optimizer: Any, names: dict[int, str]) -> list[dict[str, Any]]:
-    return [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [names[id(p)] for p in group["params"]],
-        }
-        for group in optimizer.param_groups
-    ]
-
-
 def optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
-    """``{"state": {name: {key: DTensor or scalar}}, "param_groups": [...], "step_count"}``:
-    state arrays as DTensors with their parameter's layout, counters as plain numbers."""
+    """The optimizer state by parameter name (see :mod:`..optim_state`), each state array a
+    DTensor with its parameter's layout."""
     index = _index(model)
-    names = {id(p): name for name, p in model.named_parameters()}
-    state: dict[str, dict[str, Any]] = {}
-    for param, entry in zip(optimizer.params, optimizer.state, strict=True):
+
+    def save(param: Any, value: Any) -> DTensor:
         unit, i = index[id(param)]
-        state[names[id(param)]] = {
-            key: unit.dtensor(unit.pieces[i], value.copy())
-            if getattr(value, "ndim", 0) > 0
-            else value.item()
-            for key, value in entry.items()
-        }
-    return {
-        "state": state,
-        "param_groups": _group_entries(optimizer, names),
-        "step_count": optimizer.step_count,
-    }
+        return unit.dtensor(unit.pieces[i], value.copy())
+
+    return named_optim_state_dict(model, optimizer, save)
 
 
 def full_optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -168,7 +150,7 @@ def full_optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
         return {}
     return {
         "state": state,
-        "param_groups": _group_entries(optimizer, names),
+        "param_groups": group_entries(optimizer, names),
         "step_count": optimizer.step_count,
     }
 
@@ -176,34 +158,12 @@ def full_optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
 def load_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any]) -> None:
     """Load a sharded or a full optimizer state dict (the full one given on every rank)."""
     index = _index(model)
-    positions = {name: k for k, (name, p) in enumerate(_named_in(optimizer, model))}
-    for name, entry in osd["state"].items():
-        if name not in positions:
-            raise KeyError(
-                f"rank {dist.get_rank()}: the optimizer state names parameter {name!r}, which "
-                "this optimizer does not hold"
-            )
-        k = positions[name]
-        param = optimizer.params[k]
+
+    def load(param: Any, value: Any, what: str) -> Any:
         unit, i = index[id(param)]
-        loaded: dict[str, Any] = {}
-        for key, value in entry.items():
-            if isinstance(value, DTensor) or getattr(value, "ndim", 0) > 0:
-                rows = _local_rows(unit, i, value, f"{name!r} state {key!r}")
-                target = unit.shard_views[i]
-                loaded[key] = (
-                    array_namespace(target)
-                    .asarray(_host_or_device(rows, target), dtype=target.dtype)
-                    .copy()
-                )
-            else:
-                loaded[key] = np.array(value, dtype=np.int64 if isinstance(value, int) else None)
-        optimizer.state[k] = loaded
-    for group, saved in zip(optimizer.param_groups, osd.get("param_groups", []), strict=False):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-    optimizer.step_count = int(osd.get("step_count", optimizer.step_count))
+        rows = _local_rows(unit, i, value, what)
+        target = unit.shard_views[i]
+        xp = array_namespace(target)
+        return xp.asarray(_host_or_device(rows, target), dtype=target.dtype).copy()
 
-
-def _named_in(optimizer: Any, model: Any) -> list[tuple[str, Any]]:
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [(names[id(p)], p) for p in optimizer.params]
+    load_named_optim_state_dict(model, optimizer, osd, load)

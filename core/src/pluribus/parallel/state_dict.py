@@ -1,0 +1,169 @@
+"""One state dict for a model however it is spread over the ranks, torch's
+``torch.distributed.checkpoint.state_dict`` functions: what ``pluribus.checkpoint`` saves and
+reshards on load, with the same keys for a model alone, under DDP, tensor-parallel or FSDP.
+
+- A tensor-parallel parameter is a DTensor over its mesh, with its global shape; loading it
+  into a model split over another number of ranks (or not split) takes that model's pieces.
+- A split parameter that stacks equal blocks (``Parameter.blocks``: a fused q, k, v
+  projection, each block split alike) has them as a leading dimension, ``(3, C, C)`` for
+  ``(3C, C)``, so that each rank's piece is one box; ``checkpoint.load`` fills either form
+  from the other.
+- An FSDP model's parameters are its ``Shard(0)`` DTensors (its own ``state_dict``).
+- Anything else is a copy of the array, the same on every rank.
+
+The optimizer's state is keyed by parameter name, each array in its parameter's form. An
+optimizer that has not stepped yet first gets the zero state its first step starts from, so
+that a checkpoint load has arrays to fill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import distributed as dist
+from ..dtensor import DTensor, Shard, from_local
+from ..dtensor.layout import default_layout
+from ..nn.module import Parameter, array_namespace
+from .ddp import DistributedDataParallel
+from .fsdp import FSDPModule, FullyShardedDataParallel, load_optim_state_dict, optim_state_dict
+from .optim_state import load_named_optim_state_dict, named_optim_state_dict
+from .tensor_parallel import _piece
+
+
+def _fsdp(model: Any) -> bool:
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
+
+
+def _unwrapped(model: Any) -> Any:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _whole_shape(param: Parameter) -> tuple[int, ...]:
+    """The parameter's shape before any split."""
+    layout = getattr(param, "tp_layout", None)
+    return tuple(param.data.shape) if layout is None else layout[3]
+
+
+def _blocked_shape(param: Parameter) -> tuple[int, ...]:
+    """The whole shape with the parameter's blocks a leading dimension."""
+    shape = _whole_shape(param)
+    if param.blocks == 1:
+        return shape
+    return (param.blocks, shape[0] // param.blocks, *shape[1:])
+
+
+def _split_placement(param: Parameter) -> Shard:
+    """The split of a tensor-parallel parameter in its blocked shape."""
+    return Shard(param.tp_layout[1] + (1 if param.blocks > 1 else 0))
+
+
+def _saved(param: Parameter, array: Any) -> Any:
+    """A copy of ``array`` (the parameter's data, or optimizer state of its shape) as the state
+    dict holds it: this rank's piece as a DTensor, blocks first, for a split parameter."""
+    layout = getattr(param, "tp_layout", None)
+    if layout is None:
+        return array.copy()
+    piece = array.copy()
+    if param.blocks > 1:
+        piece = piece.reshape(param.blocks, -1, *piece.shape[1:])
+    placements = [_split_placement(param)]
+    return from_local(piece, layout[0], placements, run_check=False, shape=_blocked_shape(param))
+
+
+def _local(param: Parameter, value: Any, what: str) -> Any:
+    """This rank's part of ``value`` for ``param``, in the parameter's local shape: from a
+    DTensor or a whole array of the unsplit or the blocked shape (a DTensor in the layout
+    :func:`_saved` gives gives its own piece; in any other it is gathered first)."""
+    whole, blocked = _whole_shape(param), _blocked_shape(param)
+    layout = getattr(param, "tp_layout", None)
+    if isinstance(value, DTensor):
+        if layout is not None and value.shape == blocked and value.device_mesh == layout[0]:
+            mine = default_layout(blocked, (_split_placement(param),), layout[0].shape)
+            if value.layout is mine:
+                return value.to_local().reshape(param.data.shape)
+        value = value.full_tensor()  # collective over the value's mesh, in the model's order
+    shape = tuple(value.shape)
+    if shape not in (whole, blocked):
+        also = f" (or {blocked}, its {param.blocks} blocks first)" if blocked != whole else ""
+        raise ValueError(
+            f"rank {dist.get_rank()}: {what} has shape {shape} in the state but {whole} in "
+            f"the model{also}"
+        )
+    value = value.reshape(whole)
+    if layout is None:
+        return value
+    mesh, dim, chunks, _ = layout
+    return _piece(value, dim, mesh, chunks)
+
+
+def _into(target: Any, value: Any) -> Any:
+    """``value`` as an array of ``target``'s library, device and dtype (a copy)."""
+    if not hasattr(target, "get") and hasattr(value, "get"):  # a cupy value, a numpy target
+        value = value.get()
+    return array_namespace(target).asarray(value, dtype=target.dtype).copy()
+
+
+def get_model_state_dict(model: Any) -> dict[str, Any]:
+    """Every parameter and buffer by name, in the forms above (no communication)."""
+    if _fsdp(model):
+        return model.state_dict()
+    model = _unwrapped(model)
+    state = {name: _saved(param, param.data) for name, param in model.named_parameters()}
+    state.update({name: buffer.copy() for name, buffer in model.named_buffers()})
+    return state
+
+
+def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
+    """Copy ``state`` into the parameters and buffers in place (optimizers keep theirs): a
+    state from :func:`get_model_state_dict` of this model or of the same model spread another
+    way (filled by ``checkpoint.load``), or whole arrays. Collective when a value's layout
+    differs from its parameter's (it is gathered): every rank passes the same keys."""
+    if _fsdp(model):
+        model.load_state_dict(state, strict)
+        return
+    model = _unwrapped(model)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    if strict:
+        missing = sorted((set(params) | set(buffers)) - set(state))
+        unexpected = sorted(set(state) - set(params) - set(buffers))
+        if missing or unexpected:
+            raise KeyError(
+                f"rank {dist.get_rank()}: set_model_state_dict: missing keys {missing}, "
+                f"unexpected keys {unexpected}"
+            )
+    for name, param in params.items():
+        if name in state:
+            param.data[...] = _into(param.data, _local(param, state[name], repr(name)))
+    for name, buffer in buffers.items():
+        if name in state:
+            value = state[name]
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if tuple(value.shape) != tuple(buffer.shape):
+                raise ValueError(
+                    f"rank {dist.get_rank()}: buffer {name!r} has shape {tuple(value.shape)} "
+                    f"in the state but {tuple(buffer.shape)} in the model"
+                )
+            buffer[...] = _into(buffer, value)
+
+
+def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+    """``{"state": {name: {key: array, DTensor or number}}, "param_groups": [...],
+    "step_count": n}``, each state array in its parameter's form; gives an optimizer that has
+    not stepped the zero state of a first step first (``optimizer.init_state()``)."""
+    optimizer.init_state()
+    if _fsdp(model):
+        return optim_state_dict(model, optimizer)
+    return named_optim_state_dict(_unwrapped(model), optimizer, _saved)
+
+
+def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+    """Put an optimizer state dict (from :func:`get_optimizer_state_dict` of this model or of
+    the same model spread another way, filled by ``checkpoint.load``) into ``optimizer``."""
+    if _fsdp(model):
+        load_optim_state_dict(model, optimizer, state)
+        return
+
+    def load(param: Parameter, value: Any, what: str) -> Any:
+        return _into(param.data, _local(param, value, what))
+
+    load_named_optim_state_dict(_unwrapped(model), optimizer, state, load)

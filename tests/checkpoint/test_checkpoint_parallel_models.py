@@ -1,0 +1,197 @@
+"""One state dict for a model however it is spread (``pluribus.parallel.get_model_state_dict``
+and friends) through pluribus.checkpoint: a GPT with fused q, k, v trained two steps on a
+2 x 2 (dp x tp) mesh or in one process, saved, loaded split over 4 ranks, on 2 x 2, under DDP
+alone, in one process or fully sharded, and trained two more steps, equals four steps in one
+process (the fused projection's blocks regrouped on load where the forms differ)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pluribus as pb
+import pytest
+from pluribus import checkpoint, nn
+from pluribus.dtensor import DTensor, Shard, init_device_mesh
+from pluribus.parallel import (
+    DistributedDataParallel,
+    full_parameter,
+    fully_shard,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    parallelize_module,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    transformer_plan,
+)
+from pluribus.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+VOCAB, ROWS = 32, 4
+
+
+def _model():
+    config = nn.GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=8)
+    return nn.GPT(config, dtype=np.float64, rng=0)
+
+
+def _spread(model, how: str, dp: int, tp: int):
+    """(the module to train, the data-parallel index of this rank) for ``how``."""
+    if how == "fsdp":  # every rank the whole batch: the average of equal gradients
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model), 0
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], transformer_plan(model))
+        return DistributedDataParallel(model, process_group=mesh.get_group("dp")), mesh[
+            "dp"
+        ].get_local_rank()
+    if dp > 1:
+        return DistributedDataParallel(model), pb.get_rank()
+    return model, 0
+
+
+def _whole_parameters(model) -> dict:
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    if hasattr(model, "full_state_dict"):  # FSDP: whole arrays on rank 0, broadcast
+        return pb.broadcast_object({k: np.asarray(v) for k, v in model.full_state_dict().items()})
+    return {name: full_parameter(p) for name, p in model.named_parameters()}
+
+
+def _train(how: str, dp: int, tp: int, steps: range, path: str | None, load: str | None):
+    model = _model()
+    runner, me = _spread(model, how, dp, tp)
+    opt = nn.AdamW(runner.parameters() if how == "fsdp" else model.parameters(), lr=1e-2)
+    if load is not None:
+        state = {
+            "model": get_model_state_dict(runner),
+            "optim": get_optimizer_state_dict(runner, opt),
+        }
+        checkpoint.load(state, load)
+        set_model_state_dict(runner, state["model"])
+        set_optimizer_state_dict(runner, opt, state["optim"])
+    data = np.random.default_rng(5).integers(0, VOCAB, size=(4, ROWS, 9))
+    loss_fn, per = nn.CrossEntropyLoss(), ROWS // dp
+    for step in steps:
+        batch = data[step, per * me : per * (me + 1)]
+        logits = runner.forward(batch[:, :-1])
+        loss_fn.forward(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        runner.backward(loss_fn.backward().reshape(logits.shape))
+        opt.step()
+        opt.zero_grad()
+    saved = None
+    if path is not None:
+        state = {
+            "model": get_model_state_dict(runner),
+            "optim": get_optimizer_state_dict(runner, opt),
+        }
+        qkv = state["model"]["blocks.0.attn.qkv.weight"]
+        saved = (type(qkv).__name__, tuple(qkv.shape), getattr(qkv, "placements", None))
+        checkpoint.save(state, path)
+    return _whole_parameters(runner), saved
+
+
+SAVERS = {"saved-dp2-tp2": ("tp", 2, 2), "saved-alone": ("none", 1, 1)}
+
+
+@pytest.fixture(scope="module", params=sorted(SAVERS))
+def two_steps(request, tmp_path_factory):
+    """A checkpoint of two steps, written split over a 2 x 2 mesh or by one process."""
+    how, dp, tp = SAVERS[request.param]
+    path = str(tmp_path_factory.mktemp("ckpt") / request.param)
+    results = run_ranks(_train, dp * tp, args=(how, dp, tp, range(2), path, None))
+    return request.param, path, results
+
+
+def test_a_split_parameter_is_saved_as_a_dtensor_with_its_blocks_first(two_steps):
+    saver, _, results = two_steps
+    for _, saved in results:
+        if saver == "saved-dp2-tp2":
+            assert saved == ("DTensor", (3, 32, 32), (Shard(1),))
+        else:
+            assert saved == ("ndarray", (96, 32), None)
+
+
+@pytest.mark.parametrize(
+    "how, dp, tp",
+    [("tp", 1, 4), ("tp", 2, 2), ("ddp", 2, 1), ("none", 1, 1), ("fsdp", 3, 1)],
+    ids=["tp4", "dp2-tp2", "ddp2", "one-process", "fsdp3"],
+)
+def test_resumed_in_another_layout_equals_one_process(two_steps, how, dp, tp):
+    _, path, _ = two_steps
+    want = _train_alone(range(4))
+    world = dp * tp
+    if how == "fsdp":  # 4 rows do not split over 3 ranks: each takes them all
+        dp = 1
+    for params, _ in run_ranks(_train, world, args=(how, dp, tp, range(2, 4), None, path)):
+        assert set(params) == set(want)
+        for name, value in params.items():
+            np.testing.assert_allclose(value, want[name], rtol=1e-7, atol=1e-9, err_msg=name)
+
+
+def _train_alone(steps: range) -> dict:
+    return run_ranks(_train, 1, args=("none", 1, 1, steps, None, None))[0][0]
+
+
+def _whole_arrays_into_a_split_model():
+    """A plain model's state_dict (qkv as (96, 32)) and the blocked form ((3, 32, 32)) both load
+    into a split model; a wrong shape is refused on every rank, naming both shapes."""
+    plain = _model()
+    for p in plain.parameters():
+        p.data += 1.0
+    model = _model()
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    parallelize_module(model, mesh, transformer_plan(model))
+    set_model_state_dict(model, plain.state_dict())
+    first = {n: full_parameter(p) for n, p in model.named_parameters()}
+    blocked = {k: v.copy() for k, v in plain.state_dict().items()}
+    blocked["blocks.0.attn.qkv.weight"] = blocked["blocks.0.attn.qkv.weight"].reshape(3, 32, 32)
+    set_model_state_dict(model, blocked)
+    second = {n: full_parameter(p) for n, p in model.named_parameters()}
+    blocked["blocks.0.attn.qkv.weight"] = np.zeros((32, 96))
+    try:
+        set_model_state_dict(model, blocked)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    want = dict(plain.state_dict())
+    return (
+        all(np.array_equal(first[k], want[k]) for k in first),
+        all(np.array_equal(second[k], want[k]) for k in second),
+        error,
+    )
+
+
+def test_whole_arrays_load_into_a_split_model_and_wrong_shapes_are_refused():
+    for rank, (first, second, error) in enumerate(run_ranks(_whole_arrays_into_a_split_model, 2)):
+        assert first and second
+        assert error == (
+            f"rank {rank}: 'blocks.0.attn.qkv.weight' has shape (32, 96) in the state but "
+            "(96, 32) in the model (or (3, 32, 32), its 3 blocks first)"
+        )
+
+
+def _fresh_optimizer_state():
+    """An optimizer that has not stepped gets the zero state of a first step, and a step from it
+    equals a first step."""
+    model, twin = _model(), _model()
+    opt, twin_opt = nn.AdamW(model.parameters(), lr=1e-2), nn.AdamW(twin.parameters(), lr=1e-2)
+    state = get_optimizer_state_dict(model, opt)
+    entry = state["state"]["blocks.0.attn.qkv.weight"]
+    shapes = (tuple(entry["exp_avg"].shape), entry["step"])
+    x = np.random.default_rng(1).integers(0, VOCAB, size=(2, 8))
+    for m, o in ((model, opt), (twin, twin_opt)):
+        m.backward(np.ones_like(m.forward(x)))
+        o.step()
+    same = all(
+        np.array_equal(a.data, b.data)
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+    )
+    return shapes, same, isinstance(entry["exp_avg"], DTensor)
+
+
+def test_an_optimizer_that_has_not_stepped_gets_a_first_steps_zero_state():
+    shapes, same, is_dtensor = run_ranks(_fresh_optimizer_state, 1)[0]
+    assert shapes == ((96, 32), 0)
+    assert same and not is_dtensor
