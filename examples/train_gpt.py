@@ -36,15 +36,18 @@ import numpy as np  # noqa: E402
 import pluribus  # noqa: E402
 from pluribus import checkpoint, nn  # noqa: E402
 from pluribus.data import DistributedSampler  # noqa: E402
-from pluribus.dtensor import DTensor, init_device_mesh  # noqa: E402
+from pluribus.dtensor import init_device_mesh  # noqa: E402
 from pluribus.parallel import (  # noqa: E402
     DistributedDataParallel,
     FullyShardedDataParallel,
     full_parameter,
+    get_model_state_dict,
+    get_optimizer_state_dict,
     parallelize_module,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     transformer_plan,
 )
-from pluribus.parallel.fsdp import load_optim_state_dict, optim_state_dict  # noqa: E402
 
 VOCAB = 128  # ASCII; any other character reads as "?"
 PARALLEL = ["ddp", "fsdp", "tp", "none"]  # pipeline and the other combinations join here
@@ -108,12 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "always does); without it a run starts afresh",
     )
     args = parser.parse_args(argv)
-    if args.parallel == "tp" and args.checkpoint_dir:
-        parser.error(
-            "--parallel tp writes no checkpoint yet (its parameters are split in pieces that no "
-            "DTensor layout describes); leave --checkpoint-dir out"
-        )
-    if args.checkpoint_dir is None and args.parallel != "tp":
+    if args.checkpoint_dir is None:
         args.checkpoint_dir = str(default_checkpoint_dir(f"gpt-{args.preset}"))
     return args
 
@@ -211,49 +209,31 @@ def warmup_then_cosine(warmup: int, total: int):
 # -- checkpoints -----------------------------------------------------------------------------
 
 
-def checkpoint_state(runner, opt, scheduler, epoch: int, sharded: bool) -> dict:
-    """What a checkpoint holds; every rank passes its own state (cupy arrays too): whole
-    arrays under ddp (each written once), its rows as DTensors under fsdp."""
+def checkpoint_state(runner, opt, scheduler, epoch: int) -> dict:
+    """What a checkpoint holds, with the same keys however the model is spread
+    (``pluribus.parallel``'s state dict): every rank passes its own state (cupy arrays too),
+    whole arrays under ddp (each written once), DTensors for fsdp's rows and tp's pieces."""
     return {
-        "model": runner.state_dict(),
-        "optim": optim_state_dict(runner, opt) if sharded else opt.state_dict(),
+        "model": get_model_state_dict(runner),
+        "optim": get_optimizer_state_dict(runner, opt),
         "scheduler": scheduler.state_dict(),
         "epoch": epoch,
     }
 
 
-def restore_checkpoint(
-    manager: checkpoint.CheckpointManager | None, runner, opt, scheduler, sharded: bool
-) -> int:
-    """Load the newest complete checkpoint into every rank; return the epoch to start from."""
+def restore_checkpoint(manager: checkpoint.CheckpointManager | None, runner, opt, scheduler) -> int:
+    """Load the newest complete checkpoint into every rank; return the epoch to start from.
+    Each rank reads its part in this run's layout, whatever the world size and parallelism
+    that saved it."""
     step = manager.latest_step() if manager is not None else None
     if step is None:
         return 0
-    if sharded:  # each rank reads its rows, whatever the world size that saved them
-        state = checkpoint_state(runner, opt, scheduler, 0, sharded=True)
-        # the optimizer has no state before its first step: AdamW's, in its parameter's layout
-        optim = state["optim"]["state"]
-        for name in optim:
-            param = state["model"][name]
-            optim[name] = {"exp_avg": _zeros_like(param), "exp_avg_sq": _zeros_like(param)}
-            optim[name]["step"] = 0
-        checkpoint.load(state, manager.path(step))
-        runner.load_state_dict(state["model"])
-        load_optim_state_dict(runner, opt, state["optim"])
-        scheduler.load_state_dict(state["scheduler"])
-        return int(state["epoch"])
-    state = checkpoint.read_whole(manager.path(step))  # the optimizer has no state to fill yet
-    runner.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
-    opt.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("optim.")})
-    scheduler.load_state_dict({"last_epoch": state["scheduler.last_epoch"],
-                               "base_lrs": state["scheduler.base_lrs"]})  # fmt: skip
+    state = checkpoint_state(runner, opt, scheduler, 0)  # this run's arrays, to be filled
+    checkpoint.load(state, manager.path(step))
+    set_model_state_dict(runner, state["model"])
+    set_optimizer_state_dict(runner, opt, state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
     return int(state["epoch"])
-
-
-def _zeros_like(tensor: DTensor) -> DTensor:
-    zeros = tensor.to_local().copy()
-    zeros[...] = 0
-    return DTensor(zeros, tensor.device_mesh, tensor.layout)
 
 
 def _host(array):
@@ -318,12 +298,10 @@ def train(args: argparse.Namespace) -> dict:
     ckpt = None
     if args.checkpoint_dir:
         ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
-    sharded = args.parallel == "fsdp"
-    state_of = model if args.parallel == "ddp" else runner  # ddp: the module's own names
     restarts = int(os.environ.get("PLURIBUS_RESTART_COUNT", "0"))
     start_epoch = 0
     if args.resume or restarts > 0:
-        start_epoch = restore_checkpoint(ckpt, state_of, opt, scheduler, sharded)
+        start_epoch = restore_checkpoint(ckpt, runner, opt, scheduler)
     if rank == 0:
         print(
             f"{described} on {world} rank(s), backend {pluribus.get_backend()}, parallel "
@@ -369,7 +347,7 @@ def train(args: argparse.Namespace) -> dict:
                 flush=True,
             )
         if ckpt is not None:  # every rank takes part
-            ckpt.save(epoch + 1, checkpoint_state(state_of, opt, scheduler, epoch + 1, sharded))
+            ckpt.save(epoch + 1, checkpoint_state(runner, opt, scheduler, epoch + 1))
     if not history["held_out"]:  # nothing left to train: report the restored model
         history["held_out"].append(
             evaluate(model, held_out, args.batch_size, xp, data_rank, data_world)

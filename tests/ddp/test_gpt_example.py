@@ -68,10 +68,3 @@ def test_gpt_example_split_by_tensor_parallelism_trains_the_ddp_model():
         assert tp[r]["sample"].startswith("def ") if r == 0 else tp[r]["sample"] == ""
         for name, value in ddp[0]["state"].items():
             np.testing.assert_allclose(tp[r]["state"][name], value, rtol=1e-3, atol=1e-5)
-
-
-def test_gpt_example_refuses_what_tensor_parallelism_cannot_do_yet(capsys):
-    with pytest.raises(SystemExit):
-        train_gpt.parse_args(["--parallel", "tp", "--checkpoint-dir", "somewhere"])
-    assert "--parallel tp writes no checkpoint yet" in capsys.readouterr().err
-    assert not train_gpt.parse_args(["--parallel", "tp"]).checkpoint_dir
