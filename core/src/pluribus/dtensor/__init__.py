@@ -8,6 +8,7 @@ collectives a change of placements costs, and ``redistribute`` runs exactly thos
 from ..mesh import DeviceMesh, init_device_mesh
 from . import ops
 from .api import DTensor, distribute_tensor, from_local, redistribute_plan
+from .factories import empty, full, ones, zeros
 from .layout import Layout, split_sizes
 from .ops import elementwise, matmul
 from .placements import Partial, Placement, Replicate, Shard
@@ -27,10 +28,14 @@ __all__ = [
     "Step",
     "distribute_tensor",
     "elementwise",
+    "empty",
     "from_local",
+    "full",
     "init_device_mesh",
     "matmul",
+    "ones",
     "ops",
     "redistribute_plan",
     "split_sizes",
+    "zeros",
 ]

@@ -1,0 +1,133 @@
+"""DTensor factories: each rank's piece is what distribute_tensor cuts from the whole array,
+made without the whole array or any communication."""
+
+from __future__ import annotations
+
+import numpy as np
+import pluribus as pb
+import pytest
+from dtensor_helpers import CountingPlugin
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pluribus.dtensor import (
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    empty,
+    full,
+    init_device_mesh,
+    ones,
+    zeros,
+)
+from pluribus.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+MESHES = [(1,), (3,), (2, 2), (2, 1, 2)]
+
+
+def _placement(draw, ndim: int):
+    kind = draw(st.sampled_from(["shard", "replicate", "partial"]))
+    if kind == "shard" and ndim:
+        return Shard(draw(st.integers(0, ndim - 1)))
+    if kind == "partial":
+        return Partial(draw(st.sampled_from(["sum", "avg", "max"])))
+    return Replicate()
+
+
+@st.composite
+def _cases(draw):
+    mesh = draw(st.sampled_from(MESHES))
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    placements, used = [], set()
+    for _ in mesh:
+        p = _placement(draw, len(shape))
+        if isinstance(p, Shard) and p.dim in used:
+            p = Replicate()  # a tensor dimension is sharded by one mesh dimension only
+        if isinstance(p, Shard):
+            used.add(p.dim)
+        placements.append(p)
+    ops = {p.op for p in placements if isinstance(p, Partial)}
+    if len(ops) > 1:  # Partial ops whose order matters are not mixed
+        placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    dtype = draw(st.sampled_from(["float32", "float64", "int64"]))
+    if dtype == "int64":  # an average of integers is refused
+        placements = [Partial() if p == Partial("avg") else p for p in placements]
+    return mesh, shape, placements, dtype
+
+
+def _pieces(mesh_shape, shape, placements, dtype, counting):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    mark = counting.mark(_rank())
+    made = {
+        "zeros": zeros(*shape, device_mesh=mesh, placements=placements, dtype=dtype),
+        "ones": ones(shape, device_mesh=mesh, placements=placements, dtype=dtype),
+        "full": full(shape, 7, device_mesh=mesh, placements=placements, dtype=dtype),
+        "empty": empty(*shape, device_mesh=mesh, placements=placements, dtype=dtype),
+    }
+    sent = counting.since(_rank(), mark)
+    want = {
+        name: distribute_tensor(np.full(shape, value, dtype), mesh, placements)
+        for name, value in {"zeros": 0, "ones": 1, "full": 7, "empty": 0}.items()
+    }
+    out = []
+    for name, got in made.items():
+        expected = want[name]
+        same_layout = got.layout == expected.layout and got.dtype == np.dtype(dtype)
+        local = got.to_local()
+        if name == "empty":  # uninitialised, but a Partial("sum") term off the first rank
+            zero = not expected.to_local().any() and not want["ones"].to_local().any()
+            same = local.shape == expected.to_local().shape and (not zero or not local.any())
+        else:
+            same = np.array_equal(local, expected.to_local())
+        out.append((name, same_layout, same))
+    return out, sent
+
+
+def _rank():
+    return pb.get_rank()
+
+
+@settings(max_examples=25, deadline=None)
+@given(_cases())
+def test_each_piece_is_what_distribute_tensor_cuts_with_nothing_sent(case):
+    mesh, shape, placements, dtype = case
+    counting = CountingPlugin()
+    manager = pb.get_plugin_manager()
+    manager.register(counting, name="test-dtensor-factories-counting")
+    try:
+        results = run_ranks(
+            _pieces, int(np.prod(mesh)), args=(mesh, shape, placements, dtype, counting)
+        )
+    finally:
+        manager.unregister(name="test-dtensor-factories-counting")
+    for checks, sent in results:
+        assert sent == []
+        for name, same_layout, same in checks:
+            assert same_layout and same, (name, case)
+
+
+def _bad_calls():
+    mesh = init_device_mesh("cpu", (2,))
+    errors = []
+    for call in (
+        lambda: zeros(4, 4),
+        lambda: zeros(4, -1, device_mesh=mesh),
+        lambda: ones(4, "a", device_mesh=mesh),
+        lambda: zeros(4, device_mesh=mesh, placements=[Shard(1)]),
+        lambda: zeros(4, device_mesh=mesh, placements=[Shard(0), Shard(0)]),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_sizes_meshes_and_placements_are_refused_by_name():
+    for rank, errors in enumerate(run_ranks(_bad_calls, 2)):
+        assert all(e is not None and e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "zeros needs device_mesh=" in errors[0]
+        assert "non-negative integers" in errors[1] and "non-negative integers" in errors[2]
