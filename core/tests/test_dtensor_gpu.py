@@ -2,7 +2,7 @@
 shards, the in-place and out-of-place all-reduce) equals numpy and keeps its pieces on the GPU;
 operations, reductions, matmul, an asynchronous redistribute, from_local's check and gradient
 clipping give numpy's values; and a tensor-parallel transformer block gives the unsplit block's
-outputs and gradients.
+outputs and gradients, and its state dict (cupy DTensors) loads back.
 
 Multi-rank runs use ucc (two or four processes sharing the one GPU through CUDA IPC); NCCL
 cannot put two ranks on one GPU, so it runs the same checks at world size 1.
@@ -16,8 +16,21 @@ import numpy as np
 import pluribus as pb
 import pytest
 from pluribus import nn
-from pluribus.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from pluribus.parallel import full_parameter, parallelize_module, transformer_plan
+from pluribus.dtensor import (
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+    zeros,
+)
+from pluribus.parallel import (
+    full_parameter,
+    get_model_state_dict,
+    parallelize_module,
+    set_model_state_dict,
+    transformer_plan,
+)
 from pluribus.testing import needs_gpu, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -184,6 +197,22 @@ def _block_on_cupy() -> bool:
         np.testing.assert_array_equal(cupy.asnumpy(full_parameter(p)), q.data, err_msg=name)
         got = cupy.asnumpy(full_parameter(p, grad=True))
         np.testing.assert_allclose(got, q.grad, rtol=1e-10, atol=1e-12, err_msg=name)
+    # the state dict of a split block on the GPU: DTensors of cupy pieces (the fused q, k, v
+    # blocks first), loaded back from whole numpy arrays and from itself
+    state = get_model_state_dict(block)
+    qkv = state["attn.qkv.weight"]
+    assert qkv.shape == (3, 32, 32) and isinstance(qkv.to_local(), cupy.ndarray)
+    shifted = {name: value + 1 for name, value in reference.state_dict().items()}
+    set_model_state_dict(block, shifted)
+    for name, p in block.named_parameters():
+        np.testing.assert_array_equal(cupy.asnumpy(full_parameter(p)), shifted[name], name)
+    set_model_state_dict(block, state)
+    for (name, p), (_, q) in zip(
+        block.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        np.testing.assert_array_equal(cupy.asnumpy(full_parameter(p)), q.data, err_msg=name)
+    made = zeros(5, 3, device_mesh=mesh, placements=[Shard(0)], dtype=np.float64)
+    assert isinstance(made.to_local(), cupy.ndarray) and not made.full_tensor().any()
     return True
 
 
