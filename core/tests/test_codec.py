@@ -132,3 +132,12 @@ def _one_side_pickles() -> None:
 def test_a_pickled_object_is_never_unpickled_by_a_rank_that_did_not_ask():
     with pytest.raises(RanksFailed, match="look pickled"):
         run_ranks(_one_side_pickles, 2, timeout=30)
+
+
+def test_float64_is_not_taken_for_bfloat16_without_ml_dtypes(monkeypatch):
+    """Without ml_dtypes ``bfloat16_dtype()`` is None, which numpy calls equal to float64."""
+    monkeypatch.setattr(codec, "bfloat16_dtype", lambda: None)
+    value = np.arange(3.0)
+    back = codec.decode(codec.encode(value, 0), 1, "rank 0")
+    assert back.dtype == np.float64
+    np.testing.assert_array_equal(back, value)

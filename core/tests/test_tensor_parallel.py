@@ -464,3 +464,19 @@ def test_styles_applied_twice_or_to_the_wrong_module_are_refused_when_applied():
         assert "SequenceParallel is already applied" in errors[0]
         assert "SequenceSharded is already applied" in errors[1]
         assert all("MLPParallel needs a Sequential" in e for e in errors[2:])
+
+
+def _fused_bias_of_other_blocks():
+    linear = nn.Linear(4, 6, rng=0)
+    linear.weight.blocks = 3  # a fused projection whose bias was not told
+    try:
+        parallelize_module(linear, init_device_mesh("cpu", (2,)), ColwiseParallel())
+    except ValueError as error:
+        return str(error), linear.weight.data.shape
+
+
+@pytest.mark.timeout(60)
+def test_a_fused_weight_and_a_bias_of_other_blocks_are_refused_before_splitting():
+    for rank, (error, shape) in enumerate(run_ranks(_fused_bias_of_other_blocks, 2)):
+        assert error.startswith(f"rank {rank}: Linear(") and "a bias of 1" in error, error
+        assert shape == (6, 4)  # nothing split

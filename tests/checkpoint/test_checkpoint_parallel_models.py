@@ -195,3 +195,79 @@ def test_an_optimizer_that_has_not_stepped_gets_a_first_steps_zero_state():
     shapes, same, is_dtensor = run_ranks(_fresh_optimizer_state, 1)[0]
     assert shapes == ((96, 32), 0)
     assert same and not is_dtensor
+
+
+def _fsdp_after_a_forward(path: str):
+    """A fresh optimizer's state dict taken after a forward (the root's parameters gathered)
+    holds shard-sized zero state, saves, and the next step works."""
+    model = nn.Sequential(nn.Linear(4, 6, rng=1), nn.ReLU(), nn.Linear(6, 2, rng=2))
+    fully_shard(model)
+    opt = nn.AdamW(model.parameters(), lr=1e-2)
+    model.forward(np.ones((3, 4), np.float32))
+    state = get_optimizer_state_dict(model, opt)
+    checkpoint.save({"optim": state}, path)
+    shapes = {n: tuple(e["exp_avg"].shape) for n, e in state["state"].items()}
+    pieces = {n: tuple(e["exp_avg"].to_local().shape) for n, e in state["state"].items()}
+    y = model.forward(np.ones((3, 4), np.float32))
+    model.backward(np.ones_like(y))
+    opt.step()
+    return shapes, pieces
+
+
+def test_fsdp_optimizer_state_after_a_forward_is_sharded(tmp_path):
+    results = run_ranks(_fsdp_after_a_forward, 2, args=(str(tmp_path / "c"),))
+    for rank, (shapes, pieces) in enumerate(results):
+        assert shapes == {"0.weight": (6, 4), "0.bias": (6,), "2.weight": (2, 6), "2.bias": (2,)}
+        assert pieces["0.weight"] == (3, 4) and pieces["2.weight"] == (1, 6), rank
+
+
+def _fsdp_takes_blocked_whole_arrays():
+    """The blocked form of a fused projection, as a whole array and as a DTensor of a split
+    model's layout, loads into an FSDP model (which holds the merged shape)."""
+    plain = _model()
+    for p in plain.parameters():
+        p.data += 1.0
+    blocked = {k: v.copy() for k, v in plain.state_dict().items()}
+    blocked["blocks.0.attn.qkv.weight"] = blocked["blocks.0.attn.qkv.weight"].reshape(3, 32, 32)
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    set_model_state_dict(model, blocked)
+    got = {k: np.asarray(v) for k, v in model.full_state_dict().items()}
+    split = _model()
+    parallelize_module(
+        split, init_device_mesh("cpu", (pb.get_world_size(),)), transformer_plan(split)
+    )
+    set_model_state_dict(split, plain.state_dict())
+    set_model_state_dict(model, {k: v * 0 for k, v in plain.state_dict().items()})
+    set_model_state_dict(model, get_model_state_dict(split))  # DTensors, the split layout
+    again = {k: np.asarray(v) for k, v in model.full_state_dict().items()}
+    want = plain.state_dict()
+    if pb.get_rank():
+        return True
+    return all(np.array_equal(got[k], want[k]) and np.array_equal(again[k], want[k]) for k in want)
+
+
+def test_an_fsdp_model_takes_the_blocked_form():
+    assert run_ranks(_fsdp_takes_blocked_whole_arrays, 2) == [True, True]
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(np.array(2.0, np.float32))
+
+
+def test_a_scalar_parameters_optimizer_state_keeps_its_dtype():
+    model = _Scaled()
+    opt = nn.AdamW(model.parameters(), lr=0.1)
+    model.scale.grad = np.array(0.5, np.float32)
+    opt.step()
+    state = get_optimizer_state_dict(model, opt)
+    assert isinstance(state["state"]["scale"]["exp_avg"], float)
+    fresh = nn.AdamW(model.parameters(), lr=0.1)
+    set_optimizer_state_dict(model, fresh, state)
+    loaded = fresh.state[0]
+    assert loaded["exp_avg"].dtype == np.float32 and loaded["step"].dtype == np.int64
+    assert float(loaded["exp_avg"]) == pytest.approx(0.05)

@@ -119,3 +119,19 @@ def test_a_box_of_one_form_is_found_in_the_other(case):
 def test_shapes_that_are_no_regrouping_are_refused():
     assert regrouped(((0, 0), (4, 4)), (4, 4), (2, 8)) is None
     assert regrouped(((0,), (6,)), (6,), (4, 2)) is None
+    assert regrouped(((), ()), (), (3,)) is None  # 0-d has no leading dimension
+    assert regrouped(((0,), (1,)), (1,), ()) is None
+
+
+def _scalar_into_a_vector(path):
+    checkpoint.save({"x": np.array(1.0)}, path)
+    try:
+        checkpoint.load({"x": np.zeros(1)}, path)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+
+
+def test_a_scalar_into_a_vector_is_refused_with_the_shapes(tmp_path):
+    for rank, error in enumerate(run_ranks(_scalar_into_a_vector, 2, args=(str(tmp_path / "s"),))):
+        assert error is not None and error.startswith(f"rank {rank}: loading ")
+        assert "'x' is saved as [] float64, but the state dict holds [1] float64" in error

@@ -237,7 +237,8 @@ def decode_parts(
 
 
 def _dtype_name(dtype: np.dtype) -> str:
-    return "bfloat16" if dtype == bfloat16_dtype() else dtype.str
+    bfloat16 = bfloat16_dtype()  # None without ml_dtypes, which float64 == None calls equal
+    return "bfloat16" if bfloat16 is not None and dtype == bfloat16 else dtype.str
 
 
 #: The dtype names ``encode`` writes (``dtype.str``: byte order, kind, size, a datetime unit).

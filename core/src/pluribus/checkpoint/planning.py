@@ -118,6 +118,8 @@ def regrouped(box: Box, shape: tuple[int, ...], saved: tuple[int, ...]) -> list 
     from the destination piece the part that fills the saved box (reshaped to its sizes); None
     when the shapes are not such a pair."""
     (offsets, sizes), parts = box, []
+    if not shape or not saved:  # a 0-d tensor has no leading dimension to split
+        return None
     if len(saved) == len(shape) + 1 and saved[2:] == shape[1:] and saved[0] * saved[1] == shape[0]:
         m = saved[1]  # rows per block
         first, end = offsets[0], offsets[0] + sizes[0]

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import distributed as dist
 from ..dtensor import DTensor
+from ..nn.module import array_namespace
 
 #: (parameter, state array) -> what the state dict holds for it
 Save = Callable[[Any, Any], Any]
@@ -65,10 +66,13 @@ def load_named_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any],
         k = positions[name]
         loaded: dict[str, Any] = {}
         for key, value in entry.items():
+            param = optimizer.params[k]
             if isinstance(value, DTensor) or getattr(value, "ndim", 0) > 0:
-                loaded[key] = load(optimizer.params[k], value, f"{name!r} state {key!r}")
-            else:
-                loaded[key] = np.array(value, dtype=np.int64 if isinstance(value, int) else None)
+                loaded[key] = load(param, value, f"{name!r} state {key!r}")
+            elif isinstance(value, (int, np.integer)):
+                loaded[key] = np.array(value, dtype=np.int64)
+            else:  # a 0-d parameter's state: its parameter's dtype and library
+                loaded[key] = array_namespace(param.data).asarray(value, dtype=param.data.dtype)
         optimizer.state[k] = loaded
     for group, saved in zip(optimizer.param_groups, osd.get("param_groups", []), strict=False):
         group.update({k: v for k, v in saved.items() if k != "params"})

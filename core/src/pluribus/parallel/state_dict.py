@@ -38,6 +38,17 @@ def _unwrapped(model: Any) -> Any:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def _merged(param: Parameter, value: Any) -> Any:
+    """``value`` for an FSDP parameter, which holds its whole shape: a blocked one (a DTensor
+    is gathered) with its blocks merged back."""
+    ndim = getattr(value, "ndim", 0)
+    if param.blocks == 1 or ndim != param.data.ndim + 1 or value.shape[0] != param.blocks:
+        return value
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.reshape(value.shape[0] * value.shape[1], *value.shape[2:])
+
+
 def _whole_shape(param: Parameter) -> tuple[int, ...]:
     """The parameter's shape before any split."""
     layout = getattr(param, "tp_layout", None)
@@ -79,7 +90,7 @@ def _local(param: Parameter, value: Any, what: str) -> Any:
     if isinstance(value, DTensor):
         if layout is not None and value.shape == blocked and value.device_mesh == layout[0]:
             mine = default_layout(blocked, (_split_placement(param),), layout[0].shape)
-            if value.layout is mine:
+            if value.layout is mine:  # layouts are interned: equal ones are one object
                 return value.to_local().reshape(param.data.shape)
         value = value.full_tensor()  # collective over the value's mesh, in the model's order
     shape = tuple(value.shape)
@@ -119,6 +130,8 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
     way (filled by ``checkpoint.load``), or whole arrays. Collective when a value's layout
     differs from its parameter's (it is gathered): every rank passes the same keys."""
     if _fsdp(model):
+        params = dict(model.named_parameters())
+        state = {k: _merged(params[k], v) if k in params else v for k, v in state.items()}
         model.load_state_dict(state, strict)
         return
     model = _unwrapped(model)
@@ -150,9 +163,12 @@ def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     """``{"state": {name: {key: array, DTensor or number}}, "param_groups": [...],
     "step_count": n}``, each state array in its parameter's form; gives an optimizer that has
     not stepped the zero state of a first step first (``optimizer.init_state()``)."""
-    optimizer.init_state()
     if _fsdp(model):
+        for unit in model.fsdp_units():  # after a forward, .data is the gathered parameter
+            unit.reshard()
+        optimizer.init_state()
         return optim_state_dict(model, optimizer)
+    optimizer.init_state()
     return named_optim_state_dict(_unwrapped(model), optimizer, _saved)
 
 
@@ -160,7 +176,12 @@ def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) 
     """Put an optimizer state dict (from :func:`get_optimizer_state_dict` of this model or of
     the same model spread another way, filled by ``checkpoint.load``) into ``optimizer``."""
     if _fsdp(model):
-        load_optim_state_dict(model, optimizer, state)
+        params = dict(model.named_parameters())
+        entries = {
+            name: {k: _merged(params[name], v) if name in params else v for k, v in entry.items()}
+            for name, entry in state["state"].items()
+        }
+        load_optim_state_dict(model, optimizer, {**state, "state": entries})
         return
 
     def load(param: Parameter, value: Any, what: str) -> Any:

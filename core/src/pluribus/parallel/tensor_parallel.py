@@ -233,6 +233,12 @@ class ColwiseParallel(ParallelStyle):
         blocks = module.weight.blocks  # each of a fused projection's blocks split alike
         if module.out_features % blocks:
             raise ValueError(f"{_rank_text(mesh)}: cannot split {module!r} in {blocks}")
+        if module.bias is not None and module.bias.blocks != blocks:
+            raise ValueError(
+                f"{_rank_text(mesh)}: {module!r} has a weight of {blocks} block(s) and a bias of "
+                f"{module.bias.blocks}; a fused projection's bias stacks the same blocks (set "
+                "Parameter.blocks on both)"
+            )
         full_out = module.out_features
         _shard_parameter(module.weight, 0, mesh, blocks)
         if module.bias is not None:
