@@ -10,8 +10,10 @@ import numpy as np
 import pluribus as pb
 import pytest
 from dtensor_helpers import CountingPlugin
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pluribus import nn
-from pluribus.dtensor import Shard, init_device_mesh
+from pluribus.dtensor import Shard, init_device_mesh, split_sizes
 from pluribus.parallel import (
     ColwiseParallel,
     DistributedDataParallel,
@@ -480,3 +482,119 @@ def test_a_fused_weight_and_a_bias_of_other_blocks_are_refused_before_splitting(
     for rank, (error, shape) in enumerate(run_ranks(_fused_bias_of_other_blocks, 2)):
         assert error.startswith(f"rank {rank}: Linear(") and "a bias of 1" in error, error
         assert shape == (6, 4)  # nothing split
+
+
+def _train_vocab_parallel(tp: int, tied: bool, sequence_parallel: bool, steps: int):
+    """A GPT whose token embedding and head hold this rank's rows of a 32-token vocabulary
+    (11, 11, 10 over 3 ranks), trained with the vocab-parallel loss; one process trains the
+    same GPT with nn.CrossEntropyLoss."""
+    from pluribus.parallel import VocabParallelCrossEntropyLoss
+
+    config = nn.GPTConfig(
+        vocab_size=32, n_layer=1, n_head=6, n_embd=24, block_size=8, tie_weights=tied
+    )
+    model = nn.GPT(config, dtype=np.float64, rng=0)
+    data = np.random.default_rng(7).integers(0, 32, size=(steps, 3, 9))
+    data[0, 0, 3] = -100  # an ignored label
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (tp,))
+        plan = transformer_plan(model, sequence_parallel, vocab_parallel=True)
+        parallelize_module(model, mesh, plan)
+        loss_fn = VocabParallelCrossEntropyLoss(mesh)
+    else:
+        loss_fn = nn.CrossEntropyLoss()
+    opt = nn.AdamW(model.parameters(), lr=1e-2)
+    losses, local_vocab = [], None
+    for step in range(steps):
+        tokens, labels = np.where(data[step] < 0, 0, data[step])[:, :-1], data[step][:, 1:]
+        logits = model.forward(tokens)
+        local_vocab = logits.shape[-1]
+        losses.append(float(loss_fn.forward(logits.reshape(-1, local_vocab), labels.reshape(-1))))
+        model.backward(loss_fn.backward().reshape(logits.shape))
+        opt.step()
+        opt.zero_grad()
+    params = {n: full_parameter(p) for n, p in model.named_parameters()}
+    return losses, params, local_vocab
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "tp, tied, sequence_parallel",
+    [(2, True, False), (3, True, False), (3, False, False), (2, True, True)],
+)
+def test_vocab_parallel_gpt_trains_as_one_process(tp, tied, sequence_parallel):
+    want_losses, want_params, vocab = _train_vocab_parallel(1, tied, False, 3)
+    assert vocab == 32
+    results = run_ranks(_train_vocab_parallel, tp, args=(tp, tied, sequence_parallel, 3))
+    for rank, (losses, params, local_vocab) in enumerate(results):
+        assert local_vocab == split_sizes(32, tp)[rank]  # the head gives this rank's rows
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
+        assert set(params) == set(want_params)  # a tied head is named once
+        for name, value in params.items():
+            np.testing.assert_allclose(value, want_params[name], rtol=1e-7, atol=1e-9, err_msg=name)
+
+
+def _vocab_parallel_misuse():
+    from pluribus.parallel import VocabParallelCrossEntropyLoss
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = nn.GPT(nn.GPTConfig(vocab_size=10, n_layer=1, n_head=2, n_embd=8, block_size=4))
+    parallelize_module(model, mesh, transformer_plan(model, vocab_parallel=True))
+    errors = []
+    for call in (
+        lambda: model.generate(np.zeros((1, 2), np.int64), 1),
+        lambda: VocabParallelCrossEntropyLoss(mesh).forward(
+            np.zeros((2, 3 if pb.get_rank() else 7)), np.zeros(2, np.int64)
+        ),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, KeyError) as error:
+            errors.append(str(error))
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_vocab_parallel_logits_are_refused_where_the_whole_vocabulary_is_needed():
+    for rank, errors in enumerate(run_ranks(_vocab_parallel_misuse, 2)):
+        assert "GPT.generate samples from the logits of all 10 tokens, got 5" in errors[0]
+        assert errors[1].startswith(f"rank {rank}: VocabParallelCrossEntropyLoss takes logits")
+        assert "[5, 5] classes" in errors[1] and "got [7, 3]" in errors[1]
+
+
+@st.composite
+def _loss_cases(draw):
+    rows, classes = draw(st.integers(0, 6)), draw(st.integers(1, 12))
+    ignored = draw(st.lists(st.integers(0, max(rows - 1, 0)), max_size=2)) if rows else []
+    return rows, classes, draw(st.integers(1, 4)), draw(st.sampled_from([0.0, 0.2])), ignored
+
+
+def _split_loss(logits, target, eps):
+    from pluribus.parallel import VocabParallelCrossEntropyLoss
+
+    p, me = pb.get_world_size(), pb.get_rank()
+    sizes = split_sizes(logits.shape[1], p)
+    start = sum(sizes[:me])
+    loss = VocabParallelCrossEntropyLoss(init_device_mesh("cpu", (p,)), label_smoothing=eps)
+    value = float(loss.forward(logits[:, start : start + sizes[me]].copy(), target))
+    return value, loss.backward(), start
+
+
+@settings(max_examples=30, deadline=None)
+@given(_loss_cases())
+def test_the_vocab_parallel_loss_equals_cross_entropy(case):
+    """Any split of the classes, more ranks than classes included, ignored rows and label
+    smoothing: the loss on every rank and each rank's part of the gradient equal
+    nn.CrossEntropyLoss of the whole logits."""
+    rows, classes, world, eps, ignored = case
+    rng = np.random.default_rng(rows * 100 + classes)
+    logits = rng.normal(size=(rows, classes)) * 3
+    target = rng.integers(0, classes, rows)
+    target[ignored] = -100
+    whole = nn.CrossEntropyLoss(label_smoothing=eps)
+    want = float(whole.forward(logits, target))
+    want_grad = whole.backward()
+    for value, grad, start in run_ranks(_split_loss, world, args=(logits, target, eps)):
+        np.testing.assert_allclose(value, want, rtol=1e-12, equal_nan=True)
+        np.testing.assert_allclose(grad, want_grad[:, start : start + grad.shape[1]], atol=1e-14)

@@ -423,6 +423,11 @@ class Embedding(Module):
         )
 
     def forward(self, indices: Any) -> Any:
+        self._check_indices(indices)
+        self.save_for_backward(indices=indices)
+        return self.weight.data[indices]
+
+    def _check_indices(self, indices: Any) -> None:
         if indices.dtype.kind not in "iu":
             raise TypeError(f"{self!r} looks up integer indices, got dtype {indices.dtype}")
         if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= self.num_embeddings):
@@ -430,8 +435,6 @@ class Embedding(Module):
                 f"{self!r} got indices in [{int(indices.min())}, {int(indices.max())}], outside "
                 f"0..{self.num_embeddings - 1}"
             )
-        self.save_for_backward(indices=indices)
-        return self.weight.data[indices]
 
     def backward(self, grad_output: Any) -> None:
         self.backward_input(grad_output)

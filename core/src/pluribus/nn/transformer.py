@@ -271,6 +271,13 @@ class GPT(Composite):
                 context = idx[:, -self.config.block_size :]
                 logits = self.forward(context)[:, -1, :].astype(np.float64) / temperature
                 self.release_saved()
+                if logits.shape[-1] != self.config.vocab_size:
+                    raise ValueError(
+                        f"GPT.generate samples from the logits of all {self.config.vocab_size} "
+                        f"tokens, got {logits.shape[-1]}: a vocabulary-parallel head gives each "
+                        "rank its part; generate with a head that gathers them "
+                        "(ColwiseParallel(output_layouts=Replicate()))"
+                    )
                 logits = logits - logits.max(axis=-1, keepdims=True)
                 probs = xp.exp(logits)
                 probs /= probs.sum(axis=-1, keepdims=True)

@@ -12,6 +12,7 @@ from .fsdp import (
     ShardingStrategy,
     fully_shard,
 )
+from .loss_parallel import VocabParallelCrossEntropyLoss
 from .state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -45,6 +46,7 @@ __all__ = [
     "full_parameter",
     "parallelize_module",
     "transformer_plan",
+    "VocabParallelCrossEntropyLoss",
     "DistributedDataParallel",
     "GradBucket",
     "FSDPModule",

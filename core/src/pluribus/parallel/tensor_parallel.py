@@ -21,7 +21,7 @@ from .. import distributed as dist
 from ..dtensor import Partial, Placement, Replicate, Shard, from_local
 from ..dtensor.layout import split_sizes
 from ..mesh import DeviceMesh
-from ..nn.layers import Dropout, Linear
+from ..nn.layers import Dropout, Embedding, Linear, _scatter_add
 from ..nn.module import Module, Parameter, Sequential, array_namespace
 from ..nn.transformer import CausalSelfAttention
 from .clip_norm import norm_exponent, norm_part, scale_to_norm
@@ -88,6 +88,18 @@ def _piece(array: Any, dim: int, mesh: DeviceMesh, chunks: int) -> Any:
 
 
 def _shard_parameter(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 1) -> None:
+    """Keep this rank's piece of ``param`` along ``dim``. A parameter a layer sharing it split
+    the same way (a head tied to the token embedding: both keep this rank's rows) stays."""
+    layout = getattr(param, "tp_layout", None)
+    if layout is not None:
+        if layout[:3] == (mesh, dim, chunks):
+            return
+        raise ValueError(
+            f"{_rank_text(mesh)}: a parameter shared by two layers is split along dimension "
+            f"{layout[1]} over {layout[0]!r} by one and along dimension {dim} over {mesh!r} by "
+            "the other; shared weights are split alike (the token embedding row-wise, the head "
+            "column-wise)"
+        )
     param.tp_layout = (mesh, dim, chunks, tuple(param.data.shape))
     param.data = _piece(param.data, dim, mesh, chunks)
     param.grad = None
@@ -198,13 +210,14 @@ class ParallelStyle:
         raise NotImplementedError
 
 
-def _check_linear(module: Module, mesh: DeviceMesh, style: str) -> None:
-    if not isinstance(module, Linear):
+def _check_linear(module: Module, mesh: DeviceMesh, style: str, kinds=(Linear,)) -> None:
+    if not isinstance(module, kinds):
         raise TypeError(
-            f"{_rank_text(mesh)}: {style} splits nn.Linear layers, got {type(module).__name__}; "
-            "use AttentionParallel or MLPParallel for those blocks"
+            f"{_rank_text(mesh)}: {style} splits "
+            f"{' and '.join('nn.' + k.__name__ for k in kinds)} layers, got "
+            f"{type(module).__name__}; use AttentionParallel or MLPParallel for those blocks"
         )
-    if getattr(module.weight, "tp_layout", None) is not None:
+    if getattr(module, "_tp_split", False):
         raise ValueError(f"{_rank_text(mesh)}: {module!r} is already tensor-parallel")
 
 
@@ -240,6 +253,7 @@ class ColwiseParallel(ParallelStyle):
                 "Parameter.blocks on both)"
             )
         full_out = module.out_features
+        module._tp_split = True
         _shard_parameter(module.weight, 0, mesh, blocks)
         if module.bias is not None:
             _shard_parameter(module.bias, 0, mesh, blocks)
@@ -313,8 +327,11 @@ class RowwiseParallel(ParallelStyle):
         self.output_layout = output_layouts or Replicate()
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        _check_linear(module, mesh, "RowwiseParallel")
+        _check_linear(module, mesh, "RowwiseParallel", (Linear, Embedding))
+        if isinstance(module, Embedding):
+            return self._apply_to_embedding(module, mesh)
         full_in = module.in_features
+        module._tp_split = True
         _shard_parameter(module.weight, 1, mesh)
         module.in_features = int(module.weight.data.shape[1])
         inp, out, features = self.input_layout, self.output_layout, module.out_features
@@ -338,6 +355,62 @@ class RowwiseParallel(ParallelStyle):
                 )
             )
         return module
+
+    def _apply_to_embedding(self, module: Embedding, mesh: DeviceMesh) -> Module:
+        """Split the table's rows (the vocabulary); the token ids come replicated."""
+        if self.input_layout not in (Shard(-1), Replicate()):  # Shard(-1): the Linear default
+            raise ValueError(
+                f"{_rank_text(mesh)}: a row-parallel Embedding takes its token ids replicated "
+                f"(input_layouts=Replicate()), got {self.input_layout!r}"
+            )
+        module._tp_split = True
+        _shard_parameter(module.weight, 0, mesh)
+        sizes, me = split_sizes(module.num_embeddings, mesh.size()), mesh.get_local_rank()
+        start = sum(sizes[:me])
+        module.__class__ = _RowwiseEmbedding
+        module._tp_mesh, module._tp_rows = mesh, (start, start + sizes[me])
+        module._tp_output_layout = out = self.output_layout
+        if out != Replicate():
+            module.register_full_backward_pre_hook(
+                lambda m, g: (
+                    _move(g[0], mesh, out, Replicate(), m.embedding_dim, m._tp_output_rows),
+                )
+            )
+        return module
+
+
+class _RowwiseEmbedding(Embedding):
+    """An Embedding holding rows ``_tp_rows`` of the table (``num_embeddings`` stays the whole
+    vocabulary): a token of another rank's rows looks up zeros here, and the ranks' lookups
+    are summed (one all-reduce, or a reduce-scatter into this rank's part of the sequence).
+    The gradient of the table is this rank's rows only."""
+
+    def forward(self, indices: Any) -> Any:
+        self._check_indices(indices)
+        start, stop = self._tp_rows
+        xp = array_namespace(self.weight.data)
+        mine = (indices >= start) & (indices < stop)
+        rows = self.weight.data[xp.where(mine, indices - start, 0)] if stop > start else None
+        if rows is None:  # no rows here (more ranks than tokens): zeros to sum
+            rows = xp.zeros((*indices.shape, self.embedding_dim), self.weight.data.dtype)
+        else:
+            rows *= mine[..., None]
+        self.save_for_backward(indices=indices)
+        out = self._tp_output_layout
+        if isinstance(out, Shard):
+            self._tp_output_rows = rows.shape[out.dim]  # for the gradient's sizes
+        return _move(rows, self._tp_mesh, Partial(), out, self.embedding_dim)
+
+    def backward_weight(self) -> None:
+        indices, grad_output = self.saved("indices", "grad_output")
+        start, stop = self._tp_rows
+        xp = array_namespace(grad_output)
+        grad = xp.zeros_like(self.weight.data)
+        mine = ((indices >= start) & (indices < stop)).reshape(-1)
+        rows = grad_output.reshape(-1, self.embedding_dim)[mine]
+        _scatter_add(xp, grad, indices.reshape(-1)[mine] - start, rows)
+        self.weight.accumulate_grad(grad)
+        self.release_saved(recurse=False)
 
 
 class AttentionParallel(ParallelStyle):
@@ -497,12 +570,22 @@ def parallelize_module(
     return module
 
 
-def transformer_plan(model: Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def transformer_plan(
+    model: Module, sequence_parallel: bool = False, vocab_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan for every block of a GPT or a TransformerBlock: heads and MLP
     split; embeddings, norms and the head replicated. With ``sequence_parallel`` (a GPT) the
     blocks run on this rank's part of the sequence: norms and residuals on 1/tp of the tokens,
-    the gathers and reduce-scatters replacing the all-reduces."""
+    the gathers and reduce-scatters replacing the all-reduces. With ``vocab_parallel`` (a GPT)
+    the token embedding and the head (tied or not) hold this rank's rows of the vocabulary, and
+    the head gives the logits of those rows only: train it with
+    :class:`VocabParallelCrossEntropyLoss`, which never gathers them."""
     plan: dict[str, ParallelStyle] = {}
+    modules = dict(model.named_modules())
+    if vocab_parallel:
+        if not isinstance(modules.get("wte"), Embedding) or "head" not in modules:
+            raise ValueError("vocab_parallel=True takes a GPT (a model with .wte and .head)")
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate())
     dim = 1 if sequence_parallel else None
     for name, m in model.named_modules():
         if isinstance(m, CausalSelfAttention) and name.endswith("attn"):
@@ -513,7 +596,9 @@ def transformer_plan(model: Module, sequence_parallel: bool = False) -> dict[str
                 plan[block + "ln1"] = SequenceParallel()
                 plan[block + "ln2"] = SequenceParallel()
     if sequence_parallel:
-        if "blocks" not in dict(model.named_modules()):
+        if "blocks" not in modules:
             raise ValueError("sequence_parallel=True takes a GPT (a model with .blocks)")
         plan["blocks"] = SequenceSharded(1)
+    if vocab_parallel:
+        plan["head"] = ColwiseParallel(output_layouts=Shard(-1))
     return plan
