@@ -12,7 +12,9 @@ code. After every epoch the ranks save a checkpoint together (``pluribus.checkpo
 
 ``--parallel`` picks how the model is spread over the ranks (``ddp``; ``fsdp``: each block
 fully sharded; ``tp``: each block's heads and MLP split over ``--tp-size`` ranks, data parallel
-over the rest), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks).
+over the rest, and with ``--vocab-parallel`` the embedding, the head and the loss split by
+vocabulary), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks). A
+checkpoint written under one ``--parallel`` resumes under any other.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pluribus.dtensor import init_device_mesh  # noqa: E402
 from pluribus.parallel import (  # noqa: E402
     DistributedDataParallel,
     FullyShardedDataParallel,
+    VocabParallelCrossEntropyLoss,
     full_parameter,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -70,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2,
         help="with --parallel tp: ranks per tensor-parallel group (the world divided by it "
         "trains data parallel)",
+    )
+    parser.add_argument(
+        "--vocab-parallel",
+        action="store_true",
+        help="with --parallel tp: split the token embedding and the head by vocabulary too, "
+        "and compute the loss from the split logits (no sample is drawn: sampling needs the "
+        "whole vocabulary's logits)",
     )
     parser.add_argument("--preset", choices=sorted(nn.PRESETS), default="small", help="model size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -111,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "always does); without it a run starts afresh",
     )
     args = parser.parse_args(argv)
+    if args.vocab_parallel and args.parallel != "tp":
+        parser.error("--vocab-parallel splits a tensor-parallel model: add --parallel tp")
     if args.checkpoint_dir is None:
         args.checkpoint_dir = str(default_checkpoint_dir(f"gpt-{args.preset}"))
     return args
@@ -172,17 +184,20 @@ def build_model(args: argparse.Namespace) -> nn.GPT:
 
 
 def tensor_parallel(model: nn.GPT, args: argparse.Namespace, world: int):
-    """Split every block over ``--tp-size`` ranks on a (dp, tp) mesh, with DDP over its data
-    parallel dimension. Returns the model to train and the data-parallel slice of the mesh."""
+    """Split every block (and with ``--vocab-parallel`` the vocabulary) over ``--tp-size``
+    ranks on a (dp, tp) mesh, with DDP over its data parallel dimension. Returns the model to
+    train, the data-parallel slice of the mesh and the loss."""
     if world % args.tp_size:
         raise SystemExit(f"--tp-size {args.tp_size} does not divide the {world} ranks")
     shape = (world // args.tp_size, args.tp_size)
     mesh = init_device_mesh(args.device, shape, mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], transformer_plan(model))
+    plan = transformer_plan(model, vocab_parallel=args.vocab_parallel)
+    parallelize_module(model, mesh["tp"], plan)
+    loss_fn = VocabParallelCrossEntropyLoss(mesh["tp"]) if args.vocab_parallel else None
     data = mesh["dp"]
     if data.size() == 1:
-        return model, data
-    return DistributedDataParallel(model, process_group=data.get_group()), data
+        return model, data, loss_fn
+    return DistributedDataParallel(model, process_group=data.get_group()), data, loss_fn
 
 
 def make_optimizer(model: nn.Module, args: argparse.Namespace) -> nn.AdamW:
@@ -243,11 +258,12 @@ def _host(array):
 # -- training --------------------------------------------------------------------------------
 
 
-def evaluate(model: nn.GPT, data: np.ndarray, batch_size: int, xp, rank: int, world: int) -> float:
+def evaluate(
+    model: nn.GPT, data: np.ndarray, batch_size: int, xp, rank: int, world: int, loss_fn
+) -> float:
     """Mean loss over all held-out windows: each data-parallel ``rank`` of ``world`` scores its
     share, and the sums of every rank are added (tensor-parallel ranks each count the same, so
     the mean is the same)."""
-    loss_fn = nn.CrossEntropyLoss()
     model.eval()
     total, count = 0.0, 0
     mine = data[rank::world]
@@ -255,7 +271,8 @@ def evaluate(model: nn.GPT, data: np.ndarray, batch_size: int, xp, rank: int, wo
         chunk = xp.asarray(mine[start : start + batch_size])
         logits = model.forward(chunk[:, :-1])
         targets = chunk[:, 1:].reshape(-1)
-        total += float(loss_fn.forward(logits.reshape(-1, VOCAB), targets)) * targets.size
+        logits = logits.reshape(-1, logits.shape[-1])  # split by vocabulary: this rank's part
+        total += float(loss_fn.forward(logits, targets)) * targets.size
         count += targets.size
     model.release_saved()
     model.train()
@@ -285,16 +302,17 @@ def train(args: argparse.Namespace) -> dict:
     data_rank, data_world = rank, world  # the ranks that see different windows
     if args.parallel == "fsdp":  # each block a unit, then the root; the model is sharded in place
         runner = FullyShardedDataParallel(model)
+    loss_fn = nn.CrossEntropyLoss()
     if args.parallel == "tp":
-        runner, data = tensor_parallel(model, args, world)
+        runner, data, split_loss = tensor_parallel(model, args, world)
         data_rank, data_world = data.get_local_rank(), data.size()
+        loss_fn = split_loss or loss_fn
     opt = make_optimizer(model, args)
     sampler = DistributedSampler(train_set, data_world, data_rank, shuffle=True, seed=args.seed)
     steps_per_epoch = len(sampler) // args.batch_size
     scheduler = nn.LambdaLR(
         opt, warmup_then_cosine(args.warmup_steps, args.epochs * steps_per_epoch)
     )
-    loss_fn = nn.CrossEntropyLoss()
     ckpt = None
     if args.checkpoint_dir:
         ckpt = checkpoint.CheckpointManager(args.checkpoint_dir, keep_last=2)
@@ -323,7 +341,8 @@ def train(args: argparse.Namespace) -> dict:
         for step, indices in enumerate(sampler.batches(args.batch_size, drop_last=True)):
             batch = xp.asarray(train_set[indices])
             logits = runner.forward(batch[:, :-1])
-            loss = loss_fn.forward(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            flat = logits.reshape(-1, logits.shape[-1])
+            loss = loss_fn.forward(flat, batch[:, 1:].reshape(-1))
             if epoch == start_epoch and step == 0 and rank == 0:
                 report = nn.memory_report([model, loss_fn], opt)
                 print(f"memory at the first step, before backward: {report}", flush=True)
@@ -335,7 +354,7 @@ def train(args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - started
         mean_loss = np.array([np.mean(epoch_losses)], dtype=np.float64)
         pluribus.all_reduce(mean_loss, op=pluribus.ReduceOp.AVG)
-        held = evaluate(model, held_out, args.batch_size, xp, data_rank, data_world)
+        held = evaluate(model, held_out, args.batch_size, xp, data_rank, data_world, loss_fn)
         rate = steps_per_epoch * tokens_per_step / elapsed
         history["losses"] += epoch_losses
         history["held_out"].append(held)
@@ -350,11 +369,14 @@ def train(args: argparse.Namespace) -> dict:
             ckpt.save(epoch + 1, checkpoint_state(runner, opt, scheduler, epoch + 1))
     if not history["held_out"]:  # nothing left to train: report the restored model
         history["held_out"].append(
-            evaluate(model, held_out, args.batch_size, xp, data_rank, data_world)
+            evaluate(model, held_out, args.batch_size, xp, data_rank, data_world, loss_fn)
         )
     sample = ""
     # under fsdp and tp every rank runs the forwards (they gather parameters or activations)
-    if args.sample_chars and (rank == 0 or args.parallel in ("fsdp", "tp")):
+    if args.sample_chars and args.vocab_parallel:
+        if rank == 0:
+            print("--- no sample: the head gives each rank its part of the vocabulary ---")
+    elif args.sample_chars and (rank == 0 or args.parallel in ("fsdp", "tp")):
         prompt = xp.asarray(encode("def ")[None, :].astype(np.int64))
         generated = model.generate(prompt, args.sample_chars, temperature=0.8, rng=args.seed)
         sample = decode(_host(generated[0])) if rank == 0 else ""

@@ -51,20 +51,30 @@ def test_the_default_checkpoint_folder_is_the_users_cache(monkeypatch):
     assert Path(args.checkpoint_dir) == Path("/somewhere/cache/pluribus/checkpoints/gpt-10M")
 
 
-def _parallel_args(parallel):
+def _parallel_args(parallel, *extra):
     small = ["--preset", "tiny", "--train-windows", 128, "--eval-windows", 16, "--epochs", 1]
     small += ["--batch-size", 8, "--lr", 1e-2, "--warmup-steps", 2, "--sample-chars", 10]
-    return train_gpt.parse_args(["--checkpoint-dir", "", "--parallel", parallel, *map(str, small)])
+    small += ["--parallel", parallel, *extra]
+    return train_gpt.parse_args(["--checkpoint-dir", "", *map(str, small)])
 
 
-def test_gpt_example_split_by_tensor_parallelism_trains_the_ddp_model():
+@pytest.mark.parametrize("vocab_parallel", [False, True], ids=["blocks", "blocks-and-vocab"])
+def test_gpt_example_split_by_tensor_parallelism_trains_the_ddp_model(vocab_parallel):
     """Four ranks as 2 (data) x 2 (tensor): each pair of tensor-parallel ranks sees what one
-    DDP rank sees, and together they train the same model."""
+    DDP rank sees, and together they train the same model, with the vocabulary split too."""
     ddp = run_ranks(train_gpt.train, 2, "threads", args=(_parallel_args("ddp"),))
-    tp = run_ranks(train_gpt.train, 4, "threads", args=(_parallel_args("tp"),))
+    extra = ["--vocab-parallel"] if vocab_parallel else []
+    tp = run_ranks(train_gpt.train, 4, "threads", args=(_parallel_args("tp", *extra),))
     for r in range(4):
         np.testing.assert_allclose(tp[r]["losses"], ddp[r // 2]["losses"], rtol=1e-4)
         assert tp[r]["held_out"] == pytest.approx(ddp[0]["held_out"], rel=1e-4)
-        assert tp[r]["sample"].startswith("def ") if r == 0 else tp[r]["sample"] == ""
+        sampled = r == 0 and not vocab_parallel  # sampling needs the whole vocabulary
+        assert tp[r]["sample"].startswith("def ") if sampled else tp[r]["sample"] == ""
         for name, value in ddp[0]["state"].items():
-            np.testing.assert_allclose(tp[r]["state"][name], value, rtol=1e-3, atol=1e-5)
+            np.testing.assert_allclose(tp[r]["state"][name], value, rtol=1e-3, atol=5e-5)
+
+
+def test_vocab_parallel_needs_tensor_parallelism(capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--vocab-parallel"])
+    assert "--vocab-parallel splits a tensor-parallel model" in capsys.readouterr().err
