@@ -117,6 +117,9 @@ def _bad_calls():
         lambda: ones(4, "a", device_mesh=mesh),
         lambda: zeros(4, device_mesh=mesh, placements=[Shard(1)]),
         lambda: zeros(4, device_mesh=mesh, placements=[Shard(0), Shard(0)]),
+        lambda: zeros(True, 3, device_mesh=mesh),
+        lambda: full((2, 2), np.array([1.0, 2.0]), device_mesh=mesh),
+        lambda: full((2,), 300, device_mesh=mesh, dtype=np.uint8),
     ):
         try:
             call()
@@ -131,3 +134,13 @@ def test_bad_sizes_meshes_and_placements_are_refused_by_name():
         assert all(e is not None and e.startswith(f"rank {rank}: ") for e in errors), errors
         assert "zeros needs device_mesh=" in errors[0]
         assert "non-negative integers" in errors[1] and "non-negative integers" in errors[2]
+        assert "non-negative integers, got (True, 3)" in errors[5]
+        assert "full's fill value is one number, got an array of shape (2,)" in errors[6]
+        assert "full cannot fill uint8 with 300" in errors[7]
+
+
+def test_no_dtype_is_torchs_default_float32():
+    def made():
+        return zeros(2, device_mesh=init_device_mesh("cpu", (1,)), dtype=None).dtype
+
+    assert run_ranks(made, 1) == [np.dtype(np.float32)]

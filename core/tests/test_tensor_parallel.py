@@ -13,7 +13,7 @@ from dtensor_helpers import CountingPlugin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pluribus import nn
-from pluribus.dtensor import Shard, init_device_mesh, split_sizes
+from pluribus.dtensor import Partial, Replicate, Shard, init_device_mesh, split_sizes
 from pluribus.parallel import (
     ColwiseParallel,
     DistributedDataParallel,
@@ -598,3 +598,103 @@ def test_the_vocab_parallel_loss_equals_cross_entropy(case):
     for value, grad, start in run_ranks(_split_loss, world, args=(logits, target, eps)):
         np.testing.assert_allclose(value, want, rtol=1e-12, equal_nan=True)
         np.testing.assert_allclose(grad, want_grad[:, start : start + grad.shape[1]], atol=1e-14)
+
+
+def _vocab_parallel_refusals():
+    """A tied head left out of the plan, a refused block before the tied table is split, a
+    shared parameter split two ways (the layer stays unsplit and takes a right style after),
+    and Partial layouts: each refused on every rank."""
+    mesh = init_device_mesh("cpu", (2,))
+    config = nn.GPTConfig(vocab_size=10, n_layer=1, n_head=2, n_embd=8, block_size=4)
+    errors = []
+
+    def refused(call):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as error:
+            errors.append(str(error))
+
+    half = nn.GPT(config, rng=0)
+    refused(lambda: parallelize_module(half, mesh, {"wte": RowwiseParallel()}))
+    odd = nn.GPT(nn.GPTConfig(vocab_size=10, n_layer=1, n_head=3, n_embd=9, block_size=4))
+    refused(lambda: parallelize_module(odd, mesh, transformer_plan(odd, vocab_parallel=True)))
+    untouched = getattr(odd.wte.weight, "tp_layout", None) is None
+    shared = nn.Linear(4, 4, rng=0)
+    other = nn.Linear(4, 4, rng=1)
+    other.weight = shared.weight
+    parallelize_module(other, mesh, ColwiseParallel())
+    refused(lambda: parallelize_module(shared, mesh, RowwiseParallel()))
+    refused(lambda: parallelize_module(shared, mesh, ColwiseParallel()))  # now accepted
+    refused(lambda: RowwiseParallel(output_layouts=Partial()))
+    refused(lambda: ColwiseParallel(input_layouts=Partial("max")))
+    return errors, untouched
+
+
+@pytest.mark.timeout(60)
+def test_vocab_parallel_plans_that_would_split_a_shared_table_wrongly_are_refused():
+    for rank, (errors, untouched) in enumerate(run_ranks(_vocab_parallel_refusals, 2)):
+        assert errors[0].startswith(f"rank {rank}: head (Linear) shares 'weight'"), errors[0]
+        assert "3 heads do not split evenly over 2 ranks" in errors[1] and untouched
+        assert "split along dimension 0 over" in errors[2] and "along dimension 1" in errors[2]
+        assert errors[3] is None
+        assert "RowwiseParallel(output_layouts=Partial())" in errors[4]
+        assert "ColwiseParallel(input_layouts=Partial('max'))" in errors[5]
+
+
+def _loss_edge_cases():
+    from pluribus.parallel import VocabParallelCrossEntropyLoss
+
+    mesh = init_device_mesh("cpu", (2,))
+    me = pb.get_rank()
+    rng = np.random.default_rng(3)
+    out = {}
+    # float16 with label smoothing over 8000 classes: sums past float16's 65504
+    logits = (rng.normal(size=(2, 8000)) * 8).astype(np.float16)
+    target = np.array([5, 7000])
+    loss = VocabParallelCrossEntropyLoss(mesh, label_smoothing=0.1)
+    out["half"] = float(loss.forward(logits[:, me * 4000 : (me + 1) * 4000].copy(), target))
+    out["half_want"] = float(
+        nn.CrossEntropyLoss(label_smoothing=0.1).forward(logits.astype(np.float64), target)
+    )
+    # one loss over two vocabularies in turn: 10 (5, 5), then 9 (5, 4)
+    loss = VocabParallelCrossEntropyLoss(mesh)
+    values = []
+    for classes in (10, 9):
+        whole = rng.normal(size=(3, classes))
+        labels = rng.integers(0, classes, 3)
+        cut = split_sizes(classes, 2)
+        start = sum(cut[:me])
+        values.append(float(loss.forward(whole[:, start : start + cut[me]].copy(), labels)))
+        values.append(float(nn.CrossEntropyLoss().forward(whole, labels)))
+    out["twice"] = values
+    # uint8 labels over 300 classes: label 5 on rank 0, 255 on rank 1's side
+    whole = rng.normal(size=(2, 300))
+    labels = np.array([5, 255], np.uint8)
+    out["uint8"] = float(loss.forward(whole[:, me * 150 : (me + 1) * 150].copy(), labels))
+    out["uint8_want"] = float(nn.CrossEntropyLoss().forward(whole, labels.astype(np.int64)))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_vocab_parallel_loss_in_float16_over_changing_vocabularies_and_narrow_labels():
+    for out in run_ranks(_loss_edge_cases, 2):
+        assert np.isfinite(out["half"])
+        assert out["half"] == pytest.approx(out["half_want"], rel=2e-3)
+        got, want = out["twice"][0::2], out["twice"][1::2]
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        assert out["uint8"] == pytest.approx(out["uint8_want"], rel=1e-12)
+
+
+def _lookup_with_inf():
+    """A table row that is inf touches only the tokens that look it up."""
+    mesh = init_device_mesh("cpu", (2,))
+    table = nn.Embedding(10, 4, dtype=np.float64, rng=0)
+    table.weight.data[5] = np.inf  # rank 1's first row
+    parallelize_module(table, mesh, RowwiseParallel(input_layouts=Replicate()))
+    out = table.forward(np.array([[0, 5, 9]]))
+    return np.isfinite(out).all(axis=-1).tolist()
+
+
+def test_a_vocab_parallel_lookup_keeps_a_bad_row_to_its_own_tokens():
+    assert run_ranks(_lookup_with_inf, 2) == [[[True, False, True]]] * 2

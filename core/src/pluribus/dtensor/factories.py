@@ -24,9 +24,11 @@ def _shape(size: tuple) -> tuple[int, ...]:
     """torch's ``*size``: integers, or one sequence of them."""
     if len(size) == 1 and isinstance(size[0], (list, tuple)):
         size = tuple(size[0])
-    try:
-        shape = tuple(operator.index(n) for n in size)
+    try:  # a bool is no size, though operator.index takes it
+        shape = tuple(operator.index(n) for n in size if not isinstance(n, (bool, np.bool_)))
     except TypeError:
+        shape = None
+    if shape is not None and len(shape) != len(size):
         shape = None
     if shape is None or any(n < 0 for n in shape):
         raise ValueError(
@@ -48,7 +50,20 @@ def _make(
         raise TypeError(
             f"rank {dist.get_rank()}: {what} needs device_mesh= (a DeviceMesh), got {device_mesh!r}"
         )
-    mesh, shape, dtype = device_mesh, _shape(size), np.dtype(dtype)
+    mesh, shape = device_mesh, _shape(size)
+    dtype = np.dtype(np.float32 if dtype is None else dtype)  # torch's default dtype
+    if fill is not None:
+        if np.ndim(fill) != 0:
+            raise ValueError(
+                f"rank {dist.get_rank()}: {what}'s fill value is one number, got an array of "
+                f"shape {np.shape(fill)}"
+            )
+        try:  # a value the dtype cannot hold fails here, by name
+            np.array(fill, dtype=dtype)
+        except (OverflowError, ValueError, TypeError) as e:
+            raise ValueError(
+                f"rank {dist.get_rank()}: {what} cannot fill {dtype} with {fill!r}: {e}"
+            ) from None
     if placements is None:
         placements = (Replicate(),) * mesh.ndim
     targets = normalize_placements(placements, len(shape), mesh.shape, dist.get_rank(), dtype)

@@ -23,9 +23,10 @@ class VocabParallelCrossEntropyLoss(Module):
     ``device_mesh``, against the whole labels ``(N,)`` on every rank. ``forward`` returns the
     loss, the same on every rank; ``backward`` the gradient of this rank's logits.
 
-    Two all-reduces of ``N`` (then ``3 N``) numbers per forward: the rows' maxima, then their
-    sums of exponentials, target logits and (for label smoothing) logit sums together. Every
-    rank of the mesh calls it with the same labels."""
+    Per forward: an all-gather of each rank's class count (which also checks the split), then
+    two all-reduces, of ``N`` and ``3 N`` numbers: the rows' maxima, then their sums of
+    exponentials, target logits and logit sums (for label smoothing) together, in float32 at
+    least. Every rank of the mesh calls it with the same labels."""
 
     def __init__(
         self, device_mesh: DeviceMesh, ignore_index: int = -100, label_smoothing: float = 0.0
@@ -40,26 +41,22 @@ class VocabParallelCrossEntropyLoss(Module):
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.device_mesh, self.ignore_index = device_mesh, ignore_index
         self.label_smoothing = label_smoothing
-        self._classes: dict[int, tuple[int, int]] = {}  # local classes -> (all, first)
 
     def _span(self, local: int) -> tuple[int, int]:
-        """(classes on all ranks, this rank's first); one all-gather of the local counts the
-        first time a local count is seen, which also checks the array_split rule."""
-        found = self._classes.get(local)
-        if found is None:
-            mesh, me = self.device_mesh, self.device_mesh.get_local_rank()
-            counts = [np.zeros(1, np.int64) for _ in range(mesh.size())]
-            dist.all_gather(counts, np.array([local], np.int64), group=mesh.get_group())
-            counts = [int(c[0]) for c in counts]
-            total = sum(counts)
-            if tuple(counts) != split_sizes(total, len(counts)):
-                raise ValueError(
-                    f"rank {dist.get_rank()}: VocabParallelCrossEntropyLoss takes logits split "
-                    f"by the array_split rule ({list(split_sizes(total, len(counts)))} classes "
-                    f"for the ranks of the mesh), got {counts}"
-                )
-            found = self._classes[local] = (total, sum(counts[:me]))
-        return found
+        """(classes on all ranks, this rank's first), from every rank's count (exchanged on
+        every call: a count one rank remembered would leave the others waiting)."""
+        mesh, me = self.device_mesh, self.device_mesh.get_local_rank()
+        counts = [np.zeros(1, np.int64) for _ in range(mesh.size())]
+        dist.all_gather(counts, np.array([local], np.int64), group=mesh.get_group())
+        counts = [int(c[0]) for c in counts]
+        total = sum(counts)
+        if tuple(counts) != split_sizes(total, len(counts)):
+            raise ValueError(
+                f"rank {dist.get_rank()}: VocabParallelCrossEntropyLoss takes logits split "
+                f"by the array_split rule ({list(split_sizes(total, len(counts)))} classes "
+                f"for the ranks of the mesh), got {counts}"
+            )
+        return total, sum(counts[:me])
 
     def forward(self, logits: Any, target: Any) -> Any:
         xp = array_namespace(logits)
@@ -72,6 +69,7 @@ class VocabParallelCrossEntropyLoss(Module):
         if target.dtype.kind not in "iu":
             raise TypeError(f"labels must be integers, got dtype {target.dtype}")
         classes, first = self._span(int(logits.shape[1]))
+        target = target.astype(np.int64)  # target - first in a narrow or unsigned type wraps
         keep = target != self.ignore_index
         bad = keep & ((target < 0) | (target >= classes))
         if bool(bad.any()):
@@ -88,11 +86,12 @@ class VocabParallelCrossEntropyLoss(Module):
         local = target - first
         mine = keep & (local >= 0) & (local < logits.shape[1])
         rows = xp.arange(n)
-        sums = xp.zeros((3, n), logits.dtype)
-        sums[0] = exp.sum(axis=1)
+        wide = np.promote_types(logits.dtype, np.float32)  # float16 sums overflow at 65504
+        sums = xp.zeros((3, n), wide)
+        sums[0] = exp.sum(axis=1, dtype=wide)
         if logits.shape[1]:  # a rank may hold no classes (more ranks than classes)
             sums[1] = xp.where(mine, shifted[rows, xp.where(mine, local, 0)], 0)
-        sums[2] = shifted.sum(axis=1)
+        sums[2] = shifted.sum(axis=1, dtype=wide)
         dist.all_reduce(sums, dist.ReduceOp.SUM, group)
         log_total = xp.log(sums[0])
         picked = sums[1] - log_total  # the log-probability of each row's label
@@ -101,20 +100,22 @@ class VocabParallelCrossEntropyLoss(Module):
             -picked if eps == 0 else -(1 - eps) * picked - eps * (sums[2] / classes - log_total)
         )
         count = int(keep.sum())
+        probs = (exp / sums[0][:, None]).astype(logits.dtype, copy=False)
         self.save_for_backward(
-            probs=exp / sums[0][:, None], local=local, mine=mine, keep=keep, count=count
+            probs=probs, local=local, mine=mine, keep=keep, count=count, classes=classes
         )
-        self._classes_now = classes
         if count == 0:  # every label ignored: torch's mean over nothing
             return xp.asarray(float("nan"), dtype=logits.dtype)
-        return (per_row * keep).sum() / count
+        return ((per_row * keep).sum() / count).astype(logits.dtype)
 
     def backward(self, grad_output: Any = 1.0) -> Any:
-        probs, local, mine, keep, count = self.saved("probs", "local", "mine", "keep", "count")
+        probs, local, mine, keep, count, classes = self.saved(
+            "probs", "local", "mine", "keep", "count", "classes"
+        )
         self.release_saved(recurse=False)
         xp = array_namespace(probs)
         eps = self.label_smoothing
-        grad = probs - eps / self._classes_now if eps else probs.copy()
+        grad = probs - eps / classes if eps else probs.copy()
         rows = xp.arange(grad.shape[0])[mine]
         grad[rows, local[mine]] -= 1 - eps
         grad *= keep[:, None]

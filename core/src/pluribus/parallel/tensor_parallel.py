@@ -87,19 +87,25 @@ def _piece(array: Any, dim: int, mesh: DeviceMesh, chunks: int) -> Any:
     return xp.ascontiguousarray(xp.concatenate(pieces, axis=dim))
 
 
-def _shard_parameter(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 1) -> None:
-    """Keep this rank's piece of ``param`` along ``dim``. A parameter a layer sharing it split
-    the same way (a head tied to the token embedding: both keep this rank's rows) stays."""
+def _check_split(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 1) -> None:
+    """Refuse to split a parameter that a layer sharing it split another way (a style checks
+    every parameter it splits before it changes any)."""
     layout = getattr(param, "tp_layout", None)
-    if layout is not None:
-        if layout[:3] == (mesh, dim, chunks):
-            return
+    if layout is not None and layout[:3] != (mesh, dim, chunks):
         raise ValueError(
             f"{_rank_text(mesh)}: a parameter shared by two layers is split along dimension "
             f"{layout[1]} over {layout[0]!r} by one and along dimension {dim} over {mesh!r} by "
             "the other; shared weights are split alike (the token embedding row-wise, the head "
             "column-wise)"
         )
+
+
+def _shard_parameter(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 1) -> None:
+    """Keep this rank's piece of ``param`` along ``dim``. A parameter a layer sharing it split
+    the same way (a head tied to the token embedding: both keep this rank's rows) stays."""
+    _check_split(param, dim, mesh, chunks)
+    if getattr(param, "tp_layout", None) is not None:
+        return
     param.tp_layout = (mesh, dim, chunks, tuple(param.data.shape))
     param.data = _piece(param.data, dim, mesh, chunks)
     param.grad = None
@@ -215,10 +221,21 @@ def _check_linear(module: Module, mesh: DeviceMesh, style: str, kinds=(Linear,))
         raise TypeError(
             f"{_rank_text(mesh)}: {style} splits "
             f"{' and '.join('nn.' + k.__name__ for k in kinds)} layers, got "
-            f"{type(module).__name__}; use AttentionParallel or MLPParallel for those blocks"
+            f"{type(module).__name__}; an attention block or an MLP takes AttentionParallel or "
+            "MLPParallel"
         )
     if getattr(module, "_tp_split", False):
         raise ValueError(f"{_rank_text(mesh)}: {module!r} is already tensor-parallel")
+
+
+def _no_partial(style: str, **layouts: Placement | None) -> None:
+    """A style's inputs and outputs are values (replicated or sharded), never Partial terms."""
+    for name, layout in layouts.items():
+        if layout is not None and not isinstance(layout, (Replicate, Shard)):
+            raise ValueError(
+                f"rank {dist.get_rank()}: {style}({name}={layout!r}): a layer takes and gives "
+                "values, Replicate() or Shard(d), not Partial terms"
+            )
 
 
 class ColwiseParallel(ParallelStyle):
@@ -237,6 +254,7 @@ class ColwiseParallel(ParallelStyle):
         use_local_output: bool = True,
     ):
         _local_output_only("ColwiseParallel", use_local_output)
+        _no_partial("ColwiseParallel", input_layouts=input_layouts, output_layouts=output_layouts)
         self.input_layout = input_layouts or Replicate()
         self.output_layout = output_layouts or Shard(-1)
         self._reduce_input_grad = True
@@ -252,20 +270,22 @@ class ColwiseParallel(ParallelStyle):
                 f"{module.bias.blocks}; a fused projection's bias stacks the same blocks (set "
                 "Parameter.blocks on both)"
             )
-        full_out = module.out_features
-        module._tp_split = True
-        _shard_parameter(module.weight, 0, mesh, blocks)
-        if module.bias is not None:
-            _shard_parameter(module.bias, 0, mesh, blocks)
-        module.out_features = int(module.weight.data.shape[0])
         inp, out, features = self.input_layout, self.output_layout, module.in_features
+        if out != Shard(-1) and blocks != 1:
+            raise ValueError(f"{_rank_text(mesh)}: a fused projection keeps Shard(-1)")
+        params = [p for p in (module.weight, module.bias) if p is not None]
+        for param in params:  # all checked before any is split
+            _check_split(param, 0, mesh, blocks)
+        full_out = module.out_features
+        for param in params:
+            _shard_parameter(param, 0, mesh, blocks)
+        module._tp_split = True
+        module.out_features = int(module.weight.data.shape[0])
         if inp != Replicate():
             module.register_forward_pre_hook(
                 lambda m, args: (_move(args[0], mesh, inp, Replicate(), features),)
             )
         if out != Shard(-1):
-            if blocks != 1:
-                raise ValueError(f"{_rank_text(mesh)}: a fused projection keeps Shard(-1)")
 
             def gather_output(m, args, y):
                 m._tp_output_shape = (*y.shape[:-1], full_out)  # for the gradient's sizes
@@ -323,7 +343,8 @@ class RowwiseParallel(ParallelStyle):
         use_local_output: bool = True,
     ):
         _local_output_only("RowwiseParallel", use_local_output)
-        self.input_layout = input_layouts or Shard(-1)
+        _no_partial("RowwiseParallel", input_layouts=input_layouts, output_layouts=output_layouts)
+        self.input_layout = input_layouts  # None: Shard(-1) for a Linear, Replicate() for ids
         self.output_layout = output_layouts or Replicate()
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
@@ -331,10 +352,10 @@ class RowwiseParallel(ParallelStyle):
         if isinstance(module, Embedding):
             return self._apply_to_embedding(module, mesh)
         full_in = module.in_features
-        module._tp_split = True
         _shard_parameter(module.weight, 1, mesh)
+        module._tp_split = True
         module.in_features = int(module.weight.data.shape[1])
-        inp, out, features = self.input_layout, self.output_layout, module.out_features
+        inp, out, features = self.input_layout or Shard(-1), self.output_layout, module.out_features
         module.__class__ = _RowwiseLinear
         sizes, me = split_sizes(features, mesh.size()), mesh.get_local_rank()
         start = sum(sizes[:me])
@@ -358,13 +379,13 @@ class RowwiseParallel(ParallelStyle):
 
     def _apply_to_embedding(self, module: Embedding, mesh: DeviceMesh) -> Module:
         """Split the table's rows (the vocabulary); the token ids come replicated."""
-        if self.input_layout not in (Shard(-1), Replicate()):  # Shard(-1): the Linear default
+        if self.input_layout not in (None, Replicate()):
             raise ValueError(
                 f"{_rank_text(mesh)}: a row-parallel Embedding takes its token ids replicated "
                 f"(input_layouts=Replicate()), got {self.input_layout!r}"
             )
-        module._tp_split = True
         _shard_parameter(module.weight, 0, mesh)
+        module._tp_split = True
         sizes, me = split_sizes(module.num_embeddings, mesh.size()), mesh.get_local_rank()
         start = sum(sizes[:me])
         module.__class__ = _RowwiseEmbedding
@@ -389,12 +410,12 @@ class _RowwiseEmbedding(Embedding):
         self._check_indices(indices)
         start, stop = self._tp_rows
         xp = array_namespace(self.weight.data)
-        mine = (indices >= start) & (indices < stop)
-        rows = self.weight.data[xp.where(mine, indices - start, 0)] if stop > start else None
-        if rows is None:  # no rows here (more ranks than tokens): zeros to sum
+        if stop > start:
+            mine = (indices >= start) & (indices < stop)
+            rows = self.weight.data[xp.where(mine, indices - start, 0)]
+            rows = xp.where(mine[..., None], rows, 0)  # not a product: inf * 0 is nan
+        else:  # no rows here (more ranks than tokens): zeros to sum
             rows = xp.zeros((*indices.shape, self.embedding_dim), self.weight.data.dtype)
-        else:
-            rows *= mine[..., None]
         self.save_for_backward(indices=indices)
         out = self._tp_output_layout
         if isinstance(out, Shard):
@@ -545,7 +566,9 @@ def parallelize_module(
             'the tensor-parallel slice, e.g. mesh["tp"]'
         )
     if isinstance(parallelize_plan, ParallelStyle):
-        return parallelize_plan.apply(module, mesh)
+        parallelize_plan.apply(module, mesh)
+        _check_shared_splits(module, mesh)
+        return module
     names = dict(module.named_modules())
 
     def matches(name: str, pattern: str) -> bool:
@@ -567,7 +590,25 @@ def parallelize_module(
             )
         for name in matched:
             style.apply(names[name], mesh)
+    _check_shared_splits(module, mesh)
     return module
+
+
+def _check_shared_splits(model: Module, mesh: DeviceMesh) -> None:
+    """Refuse a plan that split a parameter through one of the layers sharing it and left
+    another as it was (a tied head without its style): that layer would read this rank's piece
+    as the whole parameter."""
+    for name, module in model.named_modules():
+        if getattr(module, "_tp_split", False):
+            continue
+        for pname, param in module._parameters.items():
+            if getattr(param, "tp_layout", None) is not None:
+                raise ValueError(
+                    f"{_rank_text(mesh)}: {name or 'the model'} ({type(module).__name__}) "
+                    f"shares {pname!r} with a layer the plan split, but has no style of its "
+                    "own: give it one that splits the parameter alike (a tied head "
+                    "ColwiseParallel, a tied token embedding RowwiseParallel)"
+                )
 
 
 def transformer_plan(
@@ -582,10 +623,8 @@ def transformer_plan(
     :class:`VocabParallelCrossEntropyLoss`, which never gathers them."""
     plan: dict[str, ParallelStyle] = {}
     modules = dict(model.named_modules())
-    if vocab_parallel:
-        if not isinstance(modules.get("wte"), Embedding) or "head" not in modules:
-            raise ValueError("vocab_parallel=True takes a GPT (a model with .wte and .head)")
-        plan["wte"] = RowwiseParallel(input_layouts=Replicate())
+    if vocab_parallel and (not isinstance(modules.get("wte"), Embedding) or "head" not in modules):
+        raise ValueError("vocab_parallel=True takes a GPT (a model with .wte and .head)")
     dim = 1 if sequence_parallel else None
     for name, m in model.named_modules():
         if isinstance(m, CausalSelfAttention) and name.endswith("attn"):
@@ -599,6 +638,7 @@ def transformer_plan(
         if "blocks" not in modules:
             raise ValueError("sequence_parallel=True takes a GPT (a model with .blocks)")
         plan["blocks"] = SequenceSharded(1)
-    if vocab_parallel:
+    if vocab_parallel:  # last: a block the plan refuses stops it before the tied table is split
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate())
         plan["head"] = ColwiseParallel(output_layouts=Shard(-1))
     return plan
