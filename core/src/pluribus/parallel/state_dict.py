@@ -26,7 +26,7 @@ from ..dtensor.layout import default_layout
 from ..nn.module import Parameter, array_namespace
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPModule, FullyShardedDataParallel, load_optim_state_dict, optim_state_dict
-from .optim_state import load_named_optim_state_dict, named_optim_state_dict
+from .named_state import check_keys, load_named_optim_state_dict, named_optim_state_dict
 from .tensor_parallel import _piece
 
 
@@ -135,15 +135,9 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
         model.load_state_dict(state, strict)
         return
     model = _unwrapped(model)
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     if strict:
-        missing = sorted((set(params) | set(buffers)) - set(state))
-        unexpected = sorted(set(state) - set(params) - set(buffers))
-        if missing or unexpected:
-            raise KeyError(
-                f"rank {dist.get_rank()}: set_model_state_dict: missing keys {missing}, "
-                f"unexpected keys {unexpected}"
-            )
+        check_keys(state, model, "set_model_state_dict")
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     for name, param in params.items():
         if name in state:
             param.data[...] = _into(param.data, _local(param, state[name], repr(name)))

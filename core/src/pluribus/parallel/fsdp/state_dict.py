@@ -16,7 +16,12 @@ import numpy as np
 from ... import distributed as dist
 from ...dtensor import DTensor
 from ...nn.module import array_namespace
-from ..optim_state import group_entries, load_named_optim_state_dict, named_optim_state_dict
+from ..named_state import (
+    check_keys,
+    group_entries,
+    load_named_optim_state_dict,
+    named_optim_state_dict,
+)
 
 
 def _index(model: Any) -> dict[int, tuple[Any, int]]:
@@ -70,16 +75,10 @@ def load_sharded_state_dict(model: Any, state: dict[str, Any], strict: bool = Tr
     index = _index(model)
     for unit in model.fsdp_units():  # gathered parameters would go stale
         unit.reshard()
+    if strict:
+        check_keys(state, model, "load_state_dict")
     names = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    if strict:
-        missing = sorted((set(names) | set(buffers)) - set(state))
-        unexpected = sorted(set(state) - set(names) - set(buffers))
-        if missing or unexpected:
-            raise KeyError(
-                f"rank {dist.get_rank()}: load_state_dict: missing keys {missing}, unexpected "
-                f"keys {unexpected}"
-            )
     for name, param in names.items():
         if name in state:
             unit, i = index[id(param)]

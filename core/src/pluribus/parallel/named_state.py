@@ -1,7 +1,8 @@
-"""The optimizer state dict that checkpoints of parallel models hold, keyed by parameter name
-(torch's form): ``{"state": {name: {key: array or number}}, "param_groups": [...],
-"step_count": n}``. How a parameter's state arrays are saved and loaded is the parallelism's
-business (FSDP's rows, tensor parallelism's pieces); the format and its checks live here."""
+"""What the state dicts of parallel models share, keyed by parameter name: the check of a
+model state's keys, and the optimizer state dict (torch's form: ``{"state": {name: {key:
+array or number}}, "param_groups": [...], "step_count": n}``). How a parameter's arrays are
+saved and loaded is the parallelism's business (FSDP's rows, tensor parallelism's pieces);
+the formats and their checks live here."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ from ..nn.module import array_namespace
 Save = Callable[[Any, Any], Any]
 #: (parameter, value from a state dict, what to call it in errors) -> this rank's state array
 Load = Callable[[Any, Any, str], Any]
+
+
+def check_keys(state: dict[str, Any], model: Any, call: str) -> None:
+    """Refuse a model state whose keys are not exactly the model's parameters and buffers."""
+    names = {name for name, _ in model.named_parameters()}
+    names |= {name for name, _ in model.named_buffers()}
+    missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+    if missing or unexpected:
+        raise KeyError(
+            f"rank {dist.get_rank()}: {call}: missing keys {missing}, unexpected keys {unexpected}"
+        )
 
 
 def group_entries(optimizer: Any, names: dict[int, str]) -> list[dict[str, Any]]:
