@@ -275,6 +275,7 @@ def evaluate(
         total += float(loss_fn.forward(logits, targets)) * targets.size
         count += targets.size
     model.release_saved()
+    loss_fn.release_saved()  # the training loss: its last probabilities are no longer needed
     model.train()
     sums = np.array([total, count], dtype=np.float64)
     pluribus.all_reduce(sums)

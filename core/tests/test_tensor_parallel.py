@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pluribus import nn
 from pluribus.dtensor import Partial, Replicate, Shard, init_device_mesh, split_sizes
 from pluribus.parallel import (
+    AttentionParallel,
     ColwiseParallel,
     DistributedDataParallel,
     RowwiseParallel,
@@ -601,9 +602,9 @@ def test_the_vocab_parallel_loss_equals_cross_entropy(case):
 
 
 def _vocab_parallel_refusals():
-    """A tied head left out of the plan, a refused block before the tied table is split, a
-    shared parameter split two ways (the layer stays unsplit and takes a right style after),
-    and Partial layouts: each refused on every rank."""
+    """A tied head left out of the plan (refused at its first forward), a refused block before
+    the tied table is split, a shared parameter split two ways (the layer stays unsplit and
+    takes a right style after), and Partial layouts: each refused on every rank."""
     mesh = init_device_mesh("cpu", (2,))
     config = nn.GPTConfig(vocab_size=10, n_layer=1, n_head=2, n_embd=8, block_size=4)
     errors = []
@@ -616,7 +617,8 @@ def _vocab_parallel_refusals():
             errors.append(str(error))
 
     half = nn.GPT(config, rng=0)
-    refused(lambda: parallelize_module(half, mesh, {"wte": RowwiseParallel()}))
+    parallelize_module(half, mesh, {"wte": RowwiseParallel()})  # the tied head left out
+    refused(lambda: half.forward(np.zeros((1, 3), np.int64)))
     odd = nn.GPT(nn.GPTConfig(vocab_size=10, n_layer=1, n_head=3, n_embd=9, block_size=4))
     refused(lambda: parallelize_module(odd, mesh, transformer_plan(odd, vocab_parallel=True)))
     untouched = getattr(odd.wte.weight, "tp_layout", None) is None
@@ -634,8 +636,8 @@ def _vocab_parallel_refusals():
 @pytest.mark.timeout(60)
 def test_vocab_parallel_plans_that_would_split_a_shared_table_wrongly_are_refused():
     for rank, (errors, untouched) in enumerate(run_ranks(_vocab_parallel_refusals, 2)):
-        assert errors[0].startswith(f"rank {rank}: head (Linear) shares 'weight'"), errors[0]
-        assert "3 heads do not split evenly over 2 ranks" in errors[1] and untouched
+        assert errors[0].startswith("Linear(8, 10, bias=False) holds a weight of shape (5, 8)")
+        assert errors[1].startswith(f"rank {rank}: 3 heads do not split evenly") and untouched
         assert "split along dimension 0 over" in errors[2] and "along dimension 1" in errors[2]
         assert errors[3] is None
         assert "RowwiseParallel(output_layouts=Partial())" in errors[4]
@@ -698,3 +700,42 @@ def _lookup_with_inf():
 
 def test_a_vocab_parallel_lookup_keeps_a_bad_row_to_its_own_tokens():
     assert run_ranks(_lookup_with_inf, 2) == [[[True, False, True]]] * 2
+
+
+def _narrow_ids_and_reloaded_fused_weights():
+    """Token ids in uint8 over a 600-row table split at row 300; a fused attention whose qkv
+    Parameters were replaced (as weight-conversion code does) still splits q, k and v alike;
+    an attention refused because its proj is split already is left as it was."""
+    mesh = init_device_mesh("cpu", (2,))
+    table = nn.Embedding(600, 4, dtype=np.float64, rng=0)
+    whole = table.weight.data.copy()
+    parallelize_module(table, mesh, RowwiseParallel(input_layouts=Replicate()))
+    ids = np.array([[1, 200, 255]], np.uint8)
+    looked_up = np.array_equal(table.forward(ids), whole[ids.astype(np.int64)])
+    table.backward(np.ones((1, 3, 4)))
+    attention = nn.CausalSelfAttention(8, 2, dtype=np.float64, rng=1)
+    attention.qkv.weight = nn.Parameter(attention.qkv.weight.data.copy())
+    attention.qkv.bias = nn.Parameter(attention.qkv.bias.data.copy())
+    reference = copy.deepcopy(attention)
+    parallelize_module(attention, mesh, AttentionParallel())
+    x = np.random.default_rng(2).normal(size=(1, 3, 8))
+    same = np.allclose(attention.forward(x), reference.forward(x), rtol=1e-12, atol=1e-14)
+    split_proj = nn.CausalSelfAttention(8, 2, rng=3)
+    parallelize_module(split_proj.proj, mesh, RowwiseParallel())
+    try:
+        parallelize_module(split_proj, mesh, AttentionParallel())
+        error = None
+    except ValueError as e:
+        error = str(e)
+    untouched = split_proj.qkv.weight.data.shape == (24, 8) and split_proj.num_heads == 2
+    return looked_up, same, error, untouched
+
+
+@pytest.mark.timeout(60)
+def test_narrow_ids_reloaded_fused_weights_and_refusals_that_leave_the_module_whole():
+    for rank, (looked_up, same, error, untouched) in enumerate(
+        run_ranks(_narrow_ids_and_reloaded_fused_weights, 2)
+    ):
+        assert looked_up and same
+        assert error.startswith(f"rank {rank}: Linear(4, 8") and "already tensor-parallel" in error
+        assert untouched

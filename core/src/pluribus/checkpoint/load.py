@@ -82,7 +82,7 @@ def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
         return Destination(leaf.key, info, host, [(host, plan_reads(info, box))], finish)
     # each view only adds a leading dimension of 1 (or takes one block): views, whatever the
     # host array's strides
-    parts = [(host[index].reshape(box[1]), plan_reads(info, box)) for index, box in pieces]
+    parts = [(host[index].reshape(part[1]), plan_reads(info, part)) for index, part in pieces]
     return Destination(leaf.key, info, host, parts, finish)
 
 

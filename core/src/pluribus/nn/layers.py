@@ -51,6 +51,7 @@ class Linear(Module):
                 f"{self!r} expects inputs whose last dimension is {self.in_features}, got shape "
                 f"{tuple(x.shape)}"
             )
+        _check_table(self, self.weight, (self.out_features, self.in_features))
         self.save_for_backward(input=x)
         y = x @ self.weight.data.T
         if self.bias is not None:
@@ -401,6 +402,17 @@ class LayerNorm(Module):
         return f"LayerNorm({self.normalized_shape}, eps={self.eps})"
 
 
+def _check_table(layer: Module, weight: Parameter, shape: tuple[int, ...]) -> None:
+    """Refuse a weight that no longer has the layer's shape: a parameter the layer shares with
+    another (a tied head and token embedding) that was cut for that other layer alone."""
+    if tuple(weight.data.shape) != shape:
+        raise ValueError(
+            f"{layer!r} holds a weight of shape {tuple(weight.data.shape)}, not {shape}: a "
+            "parameter it shares with a layer that tensor parallelism split? Split this layer "
+            "alike (a tied head ColwiseParallel, a tied token embedding RowwiseParallel)"
+        )
+
+
 def _scatter_add(xp: Any, target: Any, indices: Any, values: Any) -> None:
     if xp is np:
         np.add.at(target, indices, values)
@@ -424,6 +436,7 @@ class Embedding(Module):
 
     def forward(self, indices: Any) -> Any:
         self._check_indices(indices)
+        _check_table(self, self.weight, (self.num_embeddings, self.embedding_dim))
         self.save_for_backward(indices=indices)
         return self.weight.data[indices]
 

@@ -42,7 +42,7 @@ class VocabParallelCrossEntropyLoss(Module):
         self.device_mesh, self.ignore_index = device_mesh, ignore_index
         self.label_smoothing = label_smoothing
 
-    def _span(self, local: int) -> tuple[int, int]:
+    def _classes_and_first(self, local: int) -> tuple[int, int]:
         """(classes on all ranks, this rank's first), from every rank's count (exchanged on
         every call: a count one rank remembered would leave the others waiting)."""
         mesh, me = self.device_mesh, self.device_mesh.get_local_rank()
@@ -68,7 +68,7 @@ class VocabParallelCrossEntropyLoss(Module):
             )
         if target.dtype.kind not in "iu":
             raise TypeError(f"labels must be integers, got dtype {target.dtype}")
-        classes, first = self._span(int(logits.shape[1]))
+        classes, first = self._classes_and_first(int(logits.shape[1]))
         target = target.astype(np.int64)  # target - first in a narrow or unsigned type wraps
         keep = target != self.ignore_index
         bad = keep & ((target < 0) | (target >= classes))
@@ -93,14 +93,15 @@ class VocabParallelCrossEntropyLoss(Module):
             sums[1] = xp.where(mine, shifted[rows, xp.where(mine, local, 0)], 0)
         sums[2] = shifted.sum(axis=1, dtype=wide)
         dist.all_reduce(sums, dist.ReduceOp.SUM, group)
-        log_total = xp.log(sums[0])
-        picked = sums[1] - log_total  # the log-probability of each row's label
+        exp_sum, label_logit, logit_sum = sums  # over every class, each row
+        log_total = xp.log(exp_sum)
+        picked = label_logit - log_total  # the log-probability of each row's label
         eps = self.label_smoothing
         per_row = (
-            -picked if eps == 0 else -(1 - eps) * picked - eps * (sums[2] / classes - log_total)
+            -picked if eps == 0 else -(1 - eps) * picked - eps * (logit_sum / classes - log_total)
         )
         count = int(keep.sum())
-        probs = (exp / sums[0][:, None]).astype(logits.dtype, copy=False)
+        probs = (exp / exp_sum[:, None]).astype(logits.dtype, copy=False)
         self.save_for_backward(
             probs=probs, local=local, mine=mine, keep=keep, count=count, classes=classes
         )

@@ -83,7 +83,8 @@ def load_named_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any],
                 loaded[key] = load(param, value, f"{name!r} state {key!r}")
             elif isinstance(value, (int, np.integer)):
                 loaded[key] = np.array(value, dtype=np.int64)
-            else:  # a 0-d parameter's state: its parameter's dtype and library
+            else:  # a float number is the state of a 0-d parameter (its arrays of any other
+                # shape are arrays): it takes the parameter's dtype and library
                 loaded[key] = array_namespace(param.data).asarray(value, dtype=param.data.dtype)
         optimizer.state[k] = loaded
     for group, saved in zip(optimizer.param_groups, osd.get("param_groups", []), strict=False):

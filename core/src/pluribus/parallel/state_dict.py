@@ -38,7 +38,7 @@ def _unwrapped(model: Any) -> Any:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _merged(param: Parameter, value: Any) -> Any:
+def _blocks_merged(param: Parameter, value: Any) -> Any:
     """``value`` for an FSDP parameter, which holds its whole shape: a blocked one (a DTensor
     is gathered) with its blocks merged back."""
     ndim = getattr(value, "ndim", 0)
@@ -68,7 +68,7 @@ def _split_placement(param: Parameter) -> Shard:
     return Shard(param.tp_layout[1] + (1 if param.blocks > 1 else 0))
 
 
-def _saved(param: Parameter, array: Any) -> Any:
+def _to_state(param: Parameter, array: Any) -> Any:
     """A copy of ``array`` (the parameter's data, or optimizer state of its shape) as the state
     dict holds it: this rank's piece as a DTensor, blocks first, for a split parameter."""
     layout = getattr(param, "tp_layout", None)
@@ -81,10 +81,10 @@ def _saved(param: Parameter, array: Any) -> Any:
     return from_local(piece, layout[0], placements, run_check=False, shape=_blocked_shape(param))
 
 
-def _local(param: Parameter, value: Any, what: str) -> Any:
+def _from_state(param: Parameter, value: Any, what: str) -> Any:
     """This rank's part of ``value`` for ``param``, in the parameter's local shape: from a
     DTensor or a whole array of the unsplit or the blocked shape (a DTensor in the layout
-    :func:`_saved` gives gives its own piece; in any other it is gathered first)."""
+    :func:`_to_state` makes gives its own piece; in any other it is gathered first)."""
     whole, blocked = _whole_shape(param), _blocked_shape(param)
     layout = getattr(param, "tp_layout", None)
     if isinstance(value, DTensor):
@@ -119,7 +119,7 @@ def get_model_state_dict(model: Any) -> dict[str, Any]:
     if _fsdp(model):
         return model.state_dict()
     model = _unwrapped(model)
-    state = {name: _saved(param, param.data) for name, param in model.named_parameters()}
+    state = {name: _to_state(param, param.data) for name, param in model.named_parameters()}
     state.update({name: buffer.copy() for name, buffer in model.named_buffers()})
     return state
 
@@ -131,7 +131,7 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
     differs from its parameter's (it is gathered): every rank passes the same keys."""
     if _fsdp(model):
         params = dict(model.named_parameters())
-        state = {k: _merged(params[k], v) if k in params else v for k, v in state.items()}
+        state = {k: _blocks_merged(params[k], v) if k in params else v for k, v in state.items()}
         model.load_state_dict(state, strict)
         return
     model = _unwrapped(model)
@@ -140,7 +140,7 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     for name, param in params.items():
         if name in state:
-            param.data[...] = _into(param.data, _local(param, state[name], repr(name)))
+            param.data[...] = _into(param.data, _from_state(param, state[name], repr(name)))
     for name, buffer in buffers.items():
         if name in state:
             value = state[name]
@@ -163,7 +163,7 @@ def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
         optimizer.init_state()
         return optim_state_dict(model, optimizer)
     optimizer.init_state()
-    return named_optim_state_dict(_unwrapped(model), optimizer, _saved)
+    return named_optim_state_dict(_unwrapped(model), optimizer, _to_state)
 
 
 def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
@@ -172,13 +172,16 @@ def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) 
     if _fsdp(model):
         params = dict(model.named_parameters())
         entries = {
-            name: {k: _merged(params[name], v) if name in params else v for k, v in entry.items()}
+            name: {
+                k: _blocks_merged(params[name], v) if name in params else v
+                for k, v in entry.items()
+            }
             for name, entry in state["state"].items()
         }
         load_optim_state_dict(model, optimizer, {**state, "state": entries})
         return
 
     def load(param: Parameter, value: Any, what: str) -> Any:
-        return _into(param.data, _local(param, value, what))
+        return _into(param.data, _from_state(param, value, what))
 
     load_named_optim_state_dict(_unwrapped(model), optimizer, state, load)

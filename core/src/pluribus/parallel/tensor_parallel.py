@@ -87,23 +87,28 @@ def _piece(array: Any, dim: int, mesh: DeviceMesh, chunks: int) -> Any:
     return xp.ascontiguousarray(xp.concatenate(pieces, axis=dim))
 
 
-def _check_split(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 1) -> None:
-    """Refuse to split a parameter that a layer sharing it split another way (a style checks
-    every parameter it splits before it changes any)."""
-    layout = getattr(param, "tp_layout", None)
-    if layout is not None and layout[:3] != (mesh, dim, chunks):
-        raise ValueError(
-            f"{_rank_text(mesh)}: a parameter shared by two layers is split along dimension "
-            f"{layout[1]} over {layout[0]!r} by one and along dimension {dim} over {mesh!r} by "
-            "the other; shared weights are split alike (the token embedding row-wise, the head "
-            "column-wise)"
-        )
+def _check_splits(mesh: DeviceMesh, splits: list[tuple[Parameter, int, int]]) -> None:
+    """Refuse, before a style changes anything, to split a parameter that a layer sharing it
+    split, or is about to split in the same style, another way. ``splits``: the (parameter,
+    dimension, blocks) the style will cut."""
+    planned: dict[int, tuple] = {}
+    for param, dim, blocks in splits:
+        layout = getattr(param, "tp_layout", None)
+        other = layout[:3] if layout is not None else planned.get(id(param))
+        if other is not None and other != (mesh, dim, blocks):
+            raise ValueError(
+                f"{_rank_text(mesh)}: a parameter shared by two layers is split along "
+                f"dimension {other[1]} over {other[0]!r} by one and along dimension {dim} over "
+                f"{mesh!r} by the other; shared weights are split alike (the token embedding "
+                "row-wise, the head column-wise)"
+            )
+        planned[id(param)] = (mesh, dim, blocks)
 
 
 def _shard_parameter(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 1) -> None:
-    """Keep this rank's piece of ``param`` along ``dim``. A parameter a layer sharing it split
-    the same way (a head tied to the token embedding: both keep this rank's rows) stays."""
-    _check_split(param, dim, mesh, chunks)
+    """Keep this rank's piece of ``param`` along ``dim`` (checked by :func:`_check_splits`).
+    A parameter that a layer sharing it split already (a head tied to the token embedding:
+    both keep this rank's rows) stays as it is."""
     if getattr(param, "tp_layout", None) is not None:
         return
     param.tp_layout = (mesh, dim, chunks, tuple(param.data.shape))
@@ -216,7 +221,7 @@ class ParallelStyle:
         raise NotImplementedError
 
 
-def _check_linear(module: Module, mesh: DeviceMesh, style: str, kinds=(Linear,)) -> None:
+def _check_layer(module: Module, mesh: DeviceMesh, style: str, kinds=(Linear,)) -> None:
     if not isinstance(module, kinds):
         raise TypeError(
             f"{_rank_text(mesh)}: {style} splits "
@@ -260,7 +265,7 @@ class ColwiseParallel(ParallelStyle):
         self._reduce_input_grad = True
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        _check_linear(module, mesh, "ColwiseParallel")
+        _check_layer(module, mesh, "ColwiseParallel")
         blocks = module.weight.blocks  # each of a fused projection's blocks split alike
         if module.out_features % blocks:
             raise ValueError(f"{_rank_text(mesh)}: cannot split {module!r} in {blocks}")
@@ -273,12 +278,11 @@ class ColwiseParallel(ParallelStyle):
         inp, out, features = self.input_layout, self.output_layout, module.in_features
         if out != Shard(-1) and blocks != 1:
             raise ValueError(f"{_rank_text(mesh)}: a fused projection keeps Shard(-1)")
-        params = [p for p in (module.weight, module.bias) if p is not None]
-        for param in params:  # all checked before any is split
-            _check_split(param, 0, mesh, blocks)
+        splits = self._splits(module)
+        _check_splits(mesh, splits)
         full_out = module.out_features
-        for param in params:
-            _shard_parameter(param, 0, mesh, blocks)
+        for param, dim, chunks in splits:
+            _shard_parameter(param, dim, mesh, chunks)
         module._tp_split = True
         module.out_features = int(module.weight.data.shape[0])
         if inp != Replicate():
@@ -302,6 +306,12 @@ class ColwiseParallel(ParallelStyle):
                 lambda m, gi, go: (_move(gi[0], mesh, Partial(), inp, features),)
             )
         return module
+
+    @staticmethod
+    def _splits(module: Linear) -> list[tuple[Parameter, int, int]]:
+        """What it cuts: weight and bias along the output features, block by block."""
+        params = [p for p in (module.weight, module.bias) if p is not None]
+        return [(p, 0, module.weight.blocks) for p in params]
 
 
 class _RowwiseLinear(Linear):
@@ -333,6 +343,10 @@ class RowwiseParallel(ParallelStyle):
     ``input_layouts``: ``Shard(-1)`` (default: what a column-parallel layer gives) or
     ``Replicate()`` (sliced locally). ``output_layouts``: ``Replicate()`` (default: an
     all-reduce) or ``Shard(d)`` (sequence parallel: a reduce-scatter).
+
+    On an ``nn.Embedding`` it splits the table by rows (the vocabulary): the token ids come
+    replicated (the default there), a token of another rank's rows looks up zeros, and the
+    ranks' lookups are summed the same way.
     """
 
     def __init__(
@@ -348,7 +362,8 @@ class RowwiseParallel(ParallelStyle):
         self.output_layout = output_layouts or Replicate()
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        _check_linear(module, mesh, "RowwiseParallel", (Linear, Embedding))
+        _check_layer(module, mesh, "RowwiseParallel", (Linear, Embedding))
+        _check_splits(mesh, self._splits(module))
         if isinstance(module, Embedding):
             return self._apply_to_embedding(module, mesh)
         full_in = module.in_features
@@ -376,6 +391,12 @@ class RowwiseParallel(ParallelStyle):
                 )
             )
         return module
+
+    @staticmethod
+    def _splits(module: Linear | Embedding) -> list[tuple[Parameter, int, int]]:
+        """What it cuts: a Linear's weight along the input features (the bias stays whole),
+        an Embedding's table by rows."""
+        return [(module.weight, 0 if isinstance(module, Embedding) else 1, 1)]
 
     def _apply_to_embedding(self, module: Embedding, mesh: DeviceMesh) -> Module:
         """Split the table's rows (the vocabulary); the token ids come replicated."""
@@ -410,26 +431,26 @@ class _RowwiseEmbedding(Embedding):
         self._check_indices(indices)
         start, stop = self._tp_rows
         xp = array_namespace(self.weight.data)
+        local = indices.astype(np.int64) - start  # in a narrow or unsigned type it would wrap
+        mine = (local >= 0) & (local < stop - start)
         if stop > start:
-            mine = (indices >= start) & (indices < stop)
-            rows = self.weight.data[xp.where(mine, indices - start, 0)]
+            rows = self.weight.data[xp.where(mine, local, 0)]
             rows = xp.where(mine[..., None], rows, 0)  # not a product: inf * 0 is nan
         else:  # no rows here (more ranks than tokens): zeros to sum
             rows = xp.zeros((*indices.shape, self.embedding_dim), self.weight.data.dtype)
-        self.save_for_backward(indices=indices)
+        self.save_for_backward(local=local, mine=mine)
         out = self._tp_output_layout
         if isinstance(out, Shard):
             self._tp_output_rows = rows.shape[out.dim]  # for the gradient's sizes
         return _move(rows, self._tp_mesh, Partial(), out, self.embedding_dim)
 
     def backward_weight(self) -> None:
-        indices, grad_output = self.saved("indices", "grad_output")
-        start, stop = self._tp_rows
+        local, mine, grad_output = self.saved("local", "mine", "grad_output")
         xp = array_namespace(grad_output)
         grad = xp.zeros_like(self.weight.data)
-        mine = ((indices >= start) & (indices < stop)).reshape(-1)
+        mine = mine.reshape(-1)
         rows = grad_output.reshape(-1, self.embedding_dim)[mine]
-        _scatter_add(xp, grad, indices.reshape(-1)[mine] - start, rows)
+        _scatter_add(xp, grad, local.reshape(-1)[mine], rows)
         self.weight.accumulate_grad(grad)
         self.release_saved(recurse=False)
 
@@ -459,6 +480,13 @@ class AttentionParallel(ParallelStyle):
                 "ranks; pick a tensor-parallel size that divides the number of heads"
             )
         projections = [module.qkv] if module.fused_qkv else [module.query, module.key, module.value]
+        for linear in [*projections, module.proj]:  # every layer checked before any is split
+            _check_layer(linear, mesh, "AttentionParallel")
+        if module.fused_qkv:  # q, k and v, one after the other, whatever a loaded Parameter says
+            for param in module.qkv.parameters():
+                param.blocks = 3
+        splits = [s for linear in projections for s in ColwiseParallel._splits(linear)]
+        _check_splits(mesh, splits + RowwiseParallel._splits(module.proj))
         for linear in projections:
             style = ColwiseParallel()
             style._reduce_input_grad = False
@@ -495,6 +523,10 @@ class MLPParallel(ParallelStyle):
                 f"{_rank_text(mesh)}: MLPParallel needs a Sequential with two Linear layers, "
                 f"got {module!r}"
             )
+        for linear in linears:  # both checked before either is split
+            _check_layer(linear, mesh, "MLPParallel")
+        splits = ColwiseParallel._splits(linears[0]) + RowwiseParallel._splits(linears[1])
+        _check_splits(mesh, splits)
         outer = Replicate() if self.sequence_dim is None else Shard(self.sequence_dim)
         ColwiseParallel(input_layouts=outer).apply(linears[0], mesh)
         RowwiseParallel(output_layouts=outer).apply(linears[1], mesh)
@@ -566,9 +598,7 @@ def parallelize_module(
             'the tensor-parallel slice, e.g. mesh["tp"]'
         )
     if isinstance(parallelize_plan, ParallelStyle):
-        parallelize_plan.apply(module, mesh)
-        _check_shared_splits(module, mesh)
-        return module
+        return parallelize_plan.apply(module, mesh)
     names = dict(module.named_modules())
 
     def matches(name: str, pattern: str) -> bool:
@@ -590,25 +620,7 @@ def parallelize_module(
             )
         for name in matched:
             style.apply(names[name], mesh)
-    _check_shared_splits(module, mesh)
     return module
-
-
-def _check_shared_splits(model: Module, mesh: DeviceMesh) -> None:
-    """Refuse a plan that split a parameter through one of the layers sharing it and left
-    another as it was (a tied head without its style): that layer would read this rank's piece
-    as the whole parameter."""
-    for name, module in model.named_modules():
-        if getattr(module, "_tp_split", False):
-            continue
-        for pname, param in module._parameters.items():
-            if getattr(param, "tp_layout", None) is not None:
-                raise ValueError(
-                    f"{_rank_text(mesh)}: {name or 'the model'} ({type(module).__name__}) "
-                    f"shares {pname!r} with a layer the plan split, but has no style of its "
-                    "own: give it one that splits the parameter alike (a tied head "
-                    "ColwiseParallel, a tied token embedding RowwiseParallel)"
-                )
 
 
 def transformer_plan(

@@ -111,7 +111,7 @@ def full_state_dict(model: Any) -> dict[str, Any]:
 
 
 def optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
-    """The optimizer state by parameter name (see :mod:`..optim_state`), each state array a
+    """The optimizer state by parameter name (see :mod:`..named_state`), each state array a
     DTensor with its parameter's layout."""
     index = _index(model)
 
