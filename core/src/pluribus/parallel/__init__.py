@@ -12,7 +12,6 @@ from .fsdp import (
     ShardingStrategy,
     fully_shard,
 )
-from .loss_parallel import VocabParallelCrossEntropyLoss
 from .state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -28,6 +27,7 @@ from .tensor_parallel import (
     RowwiseParallel,
     SequenceParallel,
     SequenceSharded,
+    VocabParallelCrossEntropyLoss,
     clip_grad_norm_,
     full_parameter,
     parallelize_module,

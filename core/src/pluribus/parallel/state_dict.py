@@ -27,7 +27,7 @@ from ..nn.module import Parameter, array_namespace
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPModule, FullyShardedDataParallel, load_optim_state_dict, optim_state_dict
 from .named_state import check_keys, load_named_optim_state_dict, named_optim_state_dict
-from .tensor_parallel import _piece
+from .tensor_parallel.pieces import piece_of
 
 
 def _fsdp(model: Any) -> bool:
@@ -104,7 +104,7 @@ def _from_state(param: Parameter, value: Any, what: str) -> Any:
     if layout is None:
         return value
     mesh, dim, chunks, _ = layout
-    return _piece(value, dim, mesh, chunks)
+    return piece_of(value, dim, mesh, chunks)
 
 
 def _into(target: Any, value: Any) -> Any:

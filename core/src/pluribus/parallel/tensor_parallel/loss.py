@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import distributed as dist
-from ..dtensor.layout import split_sizes
-from ..mesh import DeviceMesh
-from ..nn.module import Module, array_namespace
+from ... import distributed as dist
+from ...dtensor.layout import split_sizes
+from ...mesh import DeviceMesh
+from ...nn.module import Module, array_namespace
 
 
 class VocabParallelCrossEntropyLoss(Module):

@@ -1,0 +1,53 @@
+"""What crosses a tensor-parallel layer's boundary: an activation or a gradient, this rank's
+piece in one placement, redistributed to another along the mesh (one collective, through
+DTensor)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...dtensor import Placement, Shard, from_local
+from ...dtensor.layout import split_sizes
+from ...mesh import DeviceMesh
+from .pieces import rank_text
+
+
+def move(
+    array: Any,
+    mesh: DeviceMesh,
+    src: Placement,
+    dst: Placement,
+    features: int,
+    rows: int | None = None,
+) -> Any:
+    """``array`` (this rank's piece in ``src``) redistributed to ``dst`` along the mesh.
+    A ``Shard`` source of the last dimension has ``features`` entries there in all; of another
+    dimension (batch, sequence), ``rows`` when the caller knows them, else the ranks exchange
+    their pieces' shapes to learn the sizes (uneven ones included: never guessed)."""
+    if src == dst:
+        return array
+    shape = list(array.shape)
+    if isinstance(src, Shard):
+        if src.dim % len(shape) == len(shape) - 1:
+            shape[-1] = features
+        elif rows is None:
+            dt = from_local(array, mesh, [src])  # the same sizes on every rank: refused alike
+            sizes = dt.layout.sizes[0]
+            if sizes != split_sizes(sum(sizes), len(sizes)):
+                raise ValueError(
+                    f"{rank_text(mesh)}: a tensor-parallel layer takes an input sharded along "
+                    f"dimension {src.dim} in array_split pieces, which its output and gradient "
+                    f"keep: {split_sizes(sum(sizes), len(sizes))} rows for the ranks of the "
+                    f"mesh, got {sizes}"
+                )
+            return dt.redistribute(placements=[dst]).to_local()
+        else:
+            shape[src.dim] = rows
+    dt = from_local(array, mesh, [src], run_check=False, shape=shape)
+    return dt.redistribute(placements=[dst]).to_local()
+
+
+def global_rows(shape: tuple[int, ...], placement: Placement) -> int | None:
+    """The global size along ``placement``'s sharded dimension of an array of global
+    ``shape`` (None for a placement that shards nothing)."""
+    return shape[placement.dim] if isinstance(placement, Shard) else None
