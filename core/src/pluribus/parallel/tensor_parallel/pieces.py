@@ -18,17 +18,22 @@ def rank_text(mesh: DeviceMesh) -> str:
     return f"rank {dist.get_rank()}"
 
 
+def rank_span(length: int, mesh: DeviceMesh) -> slice:
+    """This rank's part of ``length`` entries by the array_split rule (5 over 4: 2, 1, 1, 1)."""
+    sizes, me = split_sizes(length, mesh.size()), mesh.get_local_rank()
+    start = sum(sizes[:me])
+    return slice(start, start + sizes[me])
+
+
 def piece_of(array: Any, dim: int, mesh: DeviceMesh, chunks: int) -> Any:
     """This rank's part of ``array`` along ``dim``: of each of ``chunks`` equal blocks (q, k and v
     of a fused projection), the array_split piece."""
     xp = array_namespace(array)
-    me, p = mesh.get_local_rank(), mesh.size()
     block = array.shape[dim] // chunks
     pieces = []
     for c in range(chunks):
-        sizes = split_sizes(block, p)
-        start = c * block + sum(sizes[:me])
-        index = (slice(None),) * dim + (slice(start, start + sizes[me]),)
+        span = rank_span(block, mesh)
+        index = (slice(None),) * dim + (slice(c * block + span.start, c * block + span.stop),)
         pieces.append(array[index])
     return xp.ascontiguousarray(xp.concatenate(pieces, axis=dim))
 

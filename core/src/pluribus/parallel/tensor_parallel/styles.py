@@ -12,14 +12,13 @@ import numpy as np
 
 from ... import distributed as dist
 from ...dtensor import Partial, Placement, Replicate, Shard
-from ...dtensor.layout import split_sizes
 from ...mesh import DeviceMesh
 from ...nn.layers import Dropout, Embedding, Linear
 from ...nn.module import Module, Parameter, Sequential
 from ...nn.transformer import CausalSelfAttention
 from .boundaries import global_rows, move
 from .layers import RowParallelLinear, VocabParallelEmbedding
-from .pieces import check_splits, rank_text, shard_parameter
+from .pieces import check_splits, rank_span, rank_text, shard_parameter
 
 
 def _own_stream(module: Module, mesh: DeviceMesh) -> None:
@@ -188,11 +187,9 @@ class RowwiseParallel(ParallelStyle):
         module.in_features = int(module.weight.data.shape[1])
         inp, out, features = self.input_layout or Shard(-1), self.output_layout, module.out_features
         module.__class__ = RowParallelLinear
-        sizes, me = split_sizes(features, mesh.size()), mesh.get_local_rank()
-        start = sum(sizes[:me])
         module._tp_mesh = mesh
         module._tp_output_layout = out
-        module._tp_output_features = slice(start, start + sizes[me])
+        module._tp_output_features = rank_span(features, mesh)
         if inp != Shard(-1):
             module.register_forward_pre_hook(
                 lambda m, args: (move(args[0], mesh, inp, Shard(-1), full_in),)
@@ -225,10 +222,9 @@ class RowwiseParallel(ParallelStyle):
             )
         shard_parameter(module.weight, 0, mesh)
         module._tp_split = True
-        sizes, me = split_sizes(module.num_embeddings, mesh.size()), mesh.get_local_rank()
-        start = sum(sizes[:me])
+        rows = rank_span(module.num_embeddings, mesh)
         module.__class__ = VocabParallelEmbedding
-        module._tp_mesh, module._tp_rows = mesh, (start, start + sizes[me])
+        module._tp_mesh, module._tp_rows = mesh, (rows.start, rows.stop)
         module._tp_output_layout = out = self.output_layout
         if out != Replicate():
             module.register_full_backward_pre_hook(
