@@ -2,7 +2,8 @@
 shards, the in-place and out-of-place all-reduce) equals numpy and keeps its pieces on the GPU;
 operations, reductions, matmul, an asynchronous redistribute, from_local's check and gradient
 clipping give numpy's values; and a tensor-parallel transformer block gives the unsplit block's
-outputs and gradients, and its state dict (cupy DTensors) loads back.
+outputs and gradients, its state dict (cupy DTensors) loads back, and a table and a loss split
+by vocabulary give numpy's rows, loss and gradient.
 
 Multi-rank runs use ucc (two or four processes sharing the one GPU through CUDA IPC); NCCL
 cannot put two ranks on one GPU, so it runs the same checks at world size 1.
@@ -22,9 +23,12 @@ from pluribus.dtensor import (
     Shard,
     distribute_tensor,
     init_device_mesh,
+    split_sizes,
     zeros,
 )
 from pluribus.parallel import (
+    RowwiseParallel,
+    VocabParallelCrossEntropyLoss,
     full_parameter,
     get_model_state_dict,
     parallelize_module,
@@ -213,6 +217,26 @@ def _block_on_cupy() -> bool:
         np.testing.assert_array_equal(cupy.asnumpy(full_parameter(p)), q.data, err_msg=name)
     made = zeros(5, 3, device_mesh=mesh, placements=[Shard(0)], dtype=np.float64)
     assert isinstance(made.to_local(), cupy.ndarray) and not made.full_tensor().any()
+    # a table and a loss split by vocabulary (11 classes: uneven over 2 ranks)
+    table = nn.Embedding(11, 4, dtype=np.float64, rng=4)
+    whole_table = table.weight.data.copy()
+    table.to(device="cuda")
+    parallelize_module(table, mesh, RowwiseParallel(input_layouts=Replicate()))
+    ids = np.array([[0, 5, 10, 6]])
+    looked_up = table.forward(cupy.asarray(ids))
+    assert isinstance(looked_up, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(looked_up), whole_table[ids])
+    logits = np.random.default_rng(5).normal(size=(4, 11))
+    labels = np.array([0, 5, 10, -100])
+    want = nn.CrossEntropyLoss(label_smoothing=0.1)
+    want_loss, want_grad = float(want.forward(logits, labels)), want.backward()
+    part = split_sizes(11, mesh.size())
+    start = sum(part[: mesh.get_local_rank()])
+    mine = slice(start, start + part[mesh.get_local_rank()])
+    loss = VocabParallelCrossEntropyLoss(mesh, label_smoothing=0.1)
+    got = loss.forward(cupy.asarray(logits[:, mine]), cupy.asarray(labels))
+    assert float(got) == pytest.approx(want_loss, rel=1e-12)
+    np.testing.assert_allclose(cupy.asnumpy(loss.backward()), want_grad[:, mine], atol=1e-14)
     return True
 
 

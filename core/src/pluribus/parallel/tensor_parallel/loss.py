@@ -42,12 +42,13 @@ class VocabParallelCrossEntropyLoss(Module):
         self.device_mesh, self.ignore_index = device_mesh, ignore_index
         self.label_smoothing = label_smoothing
 
-    def _classes_and_first(self, local: int) -> tuple[int, int]:
+    def _classes_and_first(self, xp: Any, local: int) -> tuple[int, int]:
         """(classes on all ranks, this rank's first), from every rank's count (exchanged on
-        every call: a count one rank remembered would leave the others waiting)."""
+        every call: a count one rank remembered would leave the others waiting), in the
+        logits' array library (an nccl-only world carries cupy arrays only)."""
         mesh, me = self.device_mesh, self.device_mesh.get_local_rank()
-        counts = [np.zeros(1, np.int64) for _ in range(mesh.size())]
-        dist.all_gather(counts, np.array([local], np.int64), group=mesh.get_group())
+        counts = [xp.zeros(1, np.int64) for _ in range(mesh.size())]
+        dist.all_gather(counts, xp.asarray([local], np.int64), group=mesh.get_group())
         counts = [int(c[0]) for c in counts]
         total = sum(counts)
         if tuple(counts) != split_sizes(total, len(counts)):
@@ -68,7 +69,7 @@ class VocabParallelCrossEntropyLoss(Module):
             )
         if target.dtype.kind not in "iu":
             raise TypeError(f"labels must be integers, got dtype {target.dtype}")
-        classes, first = self._classes_and_first(int(logits.shape[1]))
+        classes, first = self._classes_and_first(xp, int(logits.shape[1]))
         target = target.astype(np.int64)  # target - first in a narrow or unsigned type wraps
         keep = target != self.ignore_index
         bad = keep & ((target < 0) | (target >= classes))
