@@ -21,6 +21,8 @@ from pluribus.parallel import (
     RowwiseParallel,
     clip_grad_norm_,
     full_parameter,
+    fully_shard,
+    get_model_state_dict,
     parallelize_module,
     transformer_plan,
 )
@@ -231,15 +233,24 @@ def _clip_whole(parameters, max_norm: float, norm_type: float) -> float:
     return norm
 
 
-def _train_gpt(dp: int, tp: int, steps: int, clip: tuple[float, float] | None = None):
+def _train_gpt(
+    dp: int, tp: int, steps: int, clip: tuple[float, float] | None = None, fsdp: bool = False
+):
+    """A GPT trained on a dp x tp mesh (DDP or, with ``fsdp``, FSDP over dp), or alone."""
     config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
     model = nn.GPT(config, dtype=np.float64, rng=0)
+    shapes = {n: p.data.shape for n, p in model.named_parameters()}
     rank = pb.get_rank() if pb.is_initialized() else 0
     data = np.random.default_rng(5).integers(0, 32, size=(steps, 4, 9))
     if dp * tp > 1:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], transformer_plan(model))
-        wrapped = DistributedDataParallel(model, process_group=mesh.get_group("dp"))
+        if fsdp:
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            wrapped = fully_shard(model, mesh=mesh["dp"])
+        else:
+            wrapped = DistributedDataParallel(model, process_group=mesh.get_group("dp"))
         me = mesh.get_local_rank("dp")
     else:
         wrapped, me = model, 0
@@ -252,24 +263,31 @@ def _train_gpt(dp: int, tp: int, steps: int, clip: tuple[float, float] | None = 
         logits = wrapped.forward(batch[:, :-1])
         loss = loss_fn.forward(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
         wrapped.backward(loss_fn.backward().reshape(logits.shape))
-        if clip is not None:
+        if clip is not None and fsdp:
+            norms.append(wrapped.clip_grad_norm_(*clip))
+        elif clip is not None:
             clipping = clip_grad_norm_ if dp * tp > 1 else _clip_whole
             norms.append(clipping(model.parameters(), *clip))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     del rank
-    params = {n: full_parameter(p) for n, p in model.named_parameters()}
+    if fsdp:  # the state dict's DTensors, gathered whole (the fused q, k, v blocks merged)
+        state = get_model_state_dict(wrapped)
+        params = {n: state[n].full_tensor().reshape(shapes[n]) for n in shapes}
+    else:
+        params = {n: full_parameter(p) for n, p in model.named_parameters()}
     return (losses, params, norms) if clip is not None else (losses, params)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp-tp", "fsdp-tp"])
 @pytest.mark.parametrize("norm_type", [2.0, np.inf])
-def test_gradient_clipping_of_a_split_model_equals_one_process(norm_type):
+def test_gradient_clipping_of_a_split_model_equals_one_process(norm_type, fsdp):
     clip = (0.05, norm_type)
     want_losses, want_params, want_norms = _train_gpt(1, 1, 3, clip)
     assert min(want_norms) > 0.05  # every step clips
-    for _, params, norms in run_ranks(_train_gpt, 4, args=(2, 2, 3, clip)):
+    for _, params, norms in run_ranks(_train_gpt, 4, args=(2, 2, 3, clip, fsdp)):
         np.testing.assert_allclose(norms, want_norms, rtol=1e-9)
         for name, value in params.items():
             np.testing.assert_allclose(value, want_params[name], rtol=1e-7, atol=1e-9, err_msg=name)
@@ -321,9 +339,10 @@ def test_gradient_clipping_refuses_fsdp_parameters():
 
 
 @pytest.mark.timeout(120)
-def test_dp_by_tp_training_equals_one_process():
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp-tp", "fsdp-tp"])
+def test_dp_by_tp_training_equals_one_process(fsdp):
     want_losses, want_params = _train_gpt(1, 1, 4)
-    results = run_ranks(_train_gpt, 4, args=(2, 2, 4))
+    results = run_ranks(_train_gpt, 4, args=(2, 2, 4, None, fsdp))
     for losses, params in results:
         # each dp rank sees half the batch: the mean of the two halves' losses is the whole's
         assert len(losses) == 4

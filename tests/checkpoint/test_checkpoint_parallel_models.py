@@ -1,8 +1,9 @@
 """One state dict for a model however it is spread (``pluribus.parallel.get_model_state_dict``
 and friends) through pluribus.checkpoint: a GPT with fused q, k, v trained two steps on a
-2 x 2 (dp x tp) mesh or in one process, saved, loaded split over 4 ranks, on 2 x 2, under DDP
-alone, in one process or fully sharded, and trained two more steps, equals four steps in one
-process (the fused projection's blocks regrouped on load where the forms differ)."""
+2 x 2 (dp x tp) mesh under DDP or FSDP, or in one process, saved, loaded split over 4 ranks, on
+2 x 2 under DDP or FSDP, under DDP alone, in one process or fully sharded, and trained two
+more steps, equals four steps in one process (the fused projection's blocks regrouped on load
+where the forms differ)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ def _spread(model, how: str, dp: int, tp: int):
         for block in model.blocks:
             fully_shard(block)
         return fully_shard(model), 0
+    if how == "fsdp-tp":  # 2-D: split over tp, the pieces sharded over dp
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], transformer_plan(model))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"]), mesh["dp"].get_local_rank()
     if tp > 1:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], transformer_plan(model))
@@ -54,6 +61,12 @@ def _spread(model, how: str, dp: int, tp: int):
 def _whole_parameters(model) -> dict:
     if isinstance(model, DistributedDataParallel):
         model = model.module
+    if any(getattr(p, "tp_layout", None) is not None for p in model.parameters()) and hasattr(
+        model, "fsdp_units"
+    ):  # FSDP of a split model: the state dict's DTensors, whole
+        state = get_model_state_dict(model)
+        shapes = {n: p.data.shape for n, p in _model().named_parameters()}
+        return {n: np.asarray(state[n].full_tensor()).reshape(shapes[n]) for n in shapes}
     if hasattr(model, "full_state_dict"):  # FSDP: whole arrays on rank 0, broadcast
         return pb.broadcast_object({k: np.asarray(v) for k, v in model.full_state_dict().items()})
     return {name: full_parameter(p) for name, p in model.named_parameters()}
@@ -62,7 +75,7 @@ def _whole_parameters(model) -> dict:
 def _train(how: str, dp: int, tp: int, steps: range, path: str | None, load: str | None):
     model = _model()
     runner, me = _spread(model, how, dp, tp)
-    opt = nn.AdamW(runner.parameters() if how == "fsdp" else model.parameters(), lr=1e-2)
+    opt = nn.AdamW(runner.parameters() if how.startswith("fsdp") else model.parameters(), lr=1e-2)
     if load is not None:
         state = {
             "model": get_model_state_dict(runner),
@@ -92,7 +105,11 @@ def _train(how: str, dp: int, tp: int, steps: range, path: str | None, load: str
     return _whole_parameters(runner), saved
 
 
-SAVERS = {"saved-dp2-tp2": ("tp", 2, 2), "saved-alone": ("none", 1, 1)}
+SAVERS = {
+    "saved-dp2-tp2": ("tp", 2, 2),
+    "saved-alone": ("none", 1, 1),
+    "saved-fsdp2-tp2": ("fsdp-tp", 2, 2),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(SAVERS))
@@ -107,7 +124,7 @@ def two_steps(request, tmp_path_factory):
 def test_a_split_parameter_is_saved_as_a_dtensor_with_its_blocks_first(two_steps):
     saver, _, results = two_steps
     for _, saved in results:
-        if saver == "saved-dp2-tp2":
+        if saver != "saved-alone":  # split: blocks first, this rank's rows of each
             assert saved == ("DTensor", (3, 32, 32), (Shard(1),))
         else:
             assert saved == ("ndarray", (96, 32), None)
@@ -115,8 +132,8 @@ def test_a_split_parameter_is_saved_as_a_dtensor_with_its_blocks_first(two_steps
 
 @pytest.mark.parametrize(
     "how, dp, tp",
-    [("tp", 1, 4), ("tp", 2, 2), ("ddp", 2, 1), ("none", 1, 1), ("fsdp", 3, 1)],
-    ids=["tp4", "dp2-tp2", "ddp2", "one-process", "fsdp3"],
+    [("tp", 1, 4), ("tp", 2, 2), ("ddp", 2, 1), ("none", 1, 1), ("fsdp", 3, 1), ("fsdp-tp", 2, 2)],
+    ids=["tp4", "dp2-tp2", "ddp2", "one-process", "fsdp3", "fsdp2-tp2"],
 )
 def test_resumed_in_another_layout_equals_one_process(two_steps, how, dp, tp):
     _, path, _ = two_steps

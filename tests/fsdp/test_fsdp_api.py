@@ -88,7 +88,7 @@ def test_bad_input_is_refused_on_every_rank():
     _expect(different_models, 2, "FSDP needs the same units on every rank")
 
 
-def fsdp_of_a_tensor_parallel_model():
+def fsdp_over_the_tensor_parallel_ranks():
     """Caught here: a rank that raised first would abort the others while they still split
     the model (which makes the mesh's groups)."""
     from pluribus.parallel import MLPParallel, parallelize_module
@@ -97,14 +97,19 @@ def fsdp_of_a_tensor_parallel_model():
     model = nn.Sequential(nn.Linear(6, 4, rng=1), nn.Tanh(), nn.Linear(4, 3, rng=2))
     parallelize_module(model, mesh["tp"], MLPParallel())
     try:
-        fully_shard(model, mesh=mesh["dp"])
+        fully_shard(model)  # the whole world: the ranks that hold the other pieces
     except ValueError as e:
-        return str(e)
-    return None
+        return str(e), model.__class__.__name__
 
 
-def test_a_tensor_parallel_model_is_refused_with_what_to_use_instead():
-    for rank, error in enumerate(run_ranks(fsdp_of_a_tensor_parallel_model, 2, "threads")):
-        assert f"rank {rank}: fully_shard got parameters split by tensor parallelism" in error
-        assert "(0.weight, 0.bias, 2.weight)" in error
-        assert "use DDP over the data-parallel mesh dimension" in error
+def test_fsdp_over_the_ranks_of_the_tensor_parallel_pieces_is_refused():
+    """FSDP of a split model shards each piece over the data-parallel slice of the mesh
+    (core/tests/test_tensor_parallel.py trains one); over the ranks that hold the other pieces
+    it is refused before anything is sharded."""
+    for rank, (error, kind) in enumerate(run_ranks(fsdp_over_the_tensor_parallel_ranks, 2)):
+        assert error.startswith(f"rank {rank}: fully_shard got '0.weight', split by tensor ")
+        assert (
+            'sharded over the 1-d data-parallel slice of the same 2-d mesh (mesh=mesh["dp"]'
+            in error
+        )
+        assert kind == "Sequential"  # not an FSDP module

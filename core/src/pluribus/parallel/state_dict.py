@@ -8,7 +8,9 @@ reshards on load, with the same keys for a model alone, under DDP, tensor-parall
   projection, each block split alike) has them as a leading dimension, ``(3, C, C)`` for
   ``(3C, C)``, so that each rank's piece is one box; ``checkpoint.load`` fills either form
   from the other.
-- An FSDP model's parameters are its ``Shard(0)`` DTensors (its own ``state_dict``).
+- An FSDP model's parameters are its ``Shard(0)`` DTensors (its own ``state_dict``); under
+  FSDP of a tensor-parallel model (2-D), a split parameter's rows are gathered over the
+  data-parallel mesh into this rank's tensor-parallel piece, saved as above.
 - Anything else is a copy of the array, the same on every rank.
 
 The optimizer's state is keyed by parameter name, each array in its parameter's form. An
@@ -27,7 +29,7 @@ from ..nn.module import Parameter, array_namespace
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPModule, FullyShardedDataParallel, load_optim_state_dict, optim_state_dict
 from .named_state import check_keys, load_named_optim_state_dict, named_optim_state_dict
-from .tensor_parallel.pieces import piece_of
+from .tensor_parallel.pieces import piece_of, rank_span
 
 
 def _fsdp(model: Any) -> bool:
@@ -36,6 +38,22 @@ def _fsdp(model: Any) -> bool:
 
 def _unwrapped(model: Any) -> Any:
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _fsdp_value(param: Parameter, value: Any, what: str) -> Any:
+    """``value`` as an FSDP model takes it: a tensor-parallel parameter's whole piece, or the
+    whole parameter with its blocks merged back."""
+    if getattr(param, "tp_layout", None) is not None:
+        return _from_state(param, value, what)
+    return _blocks_merged(param, value)
+
+
+def _gathered(param: Parameter, value: Any) -> Any:
+    """An FSDP DTensor of a tensor-parallel parameter's rows, gathered over the data-parallel
+    mesh into this rank's piece and saved as a tensor-parallel one; anything else as it is."""
+    if getattr(param, "tp_layout", None) is None or not isinstance(value, DTensor):
+        return value
+    return _to_state(param, value.full_tensor())
 
 
 def _blocks_merged(param: Parameter, value: Any) -> Any:
@@ -61,6 +79,13 @@ def _blocked_shape(param: Parameter) -> tuple[int, ...]:
     if param.blocks == 1:
         return shape
     return (param.blocks, shape[0] // param.blocks, *shape[1:])
+
+
+def _piece_shape(param: Parameter) -> tuple[int, ...]:
+    """The shape of this rank's tensor-parallel piece (``.data`` under FSDP holds rows of it)."""
+    mesh, dim, chunks, shape = param.tp_layout
+    span = rank_span(shape[dim] // chunks, mesh)
+    return (*shape[:dim], chunks * (span.stop - span.start), *shape[dim + 1 :])
 
 
 def _split_placement(param: Parameter) -> Shard:
@@ -91,7 +116,7 @@ def _from_state(param: Parameter, value: Any, what: str) -> Any:
         if layout is not None and value.shape == blocked and value.device_mesh == layout[0]:
             mine = default_layout(blocked, (_split_placement(param),), layout[0].shape)
             if value.layout is mine:  # layouts are interned: equal ones are one object
-                return value.to_local().reshape(param.data.shape)
+                return value.to_local().reshape(_piece_shape(param))
         value = value.full_tensor()  # collective over the value's mesh, in the model's order
     shape = tuple(value.shape)
     if shape not in (whole, blocked):
@@ -115,9 +140,13 @@ def _into(target: Any, value: Any) -> Any:
 
 
 def get_model_state_dict(model: Any) -> dict[str, Any]:
-    """Every parameter and buffer by name, in the forms above (no communication)."""
+    """Every parameter and buffer by name, in the forms above (no communication, but for the
+    gathers of FSDP of a tensor-parallel model)."""
     if _fsdp(model):
-        return model.state_dict()
+        params = dict(model.named_parameters())
+        return {
+            k: _gathered(params[k], v) if k in params else v for k, v in model.state_dict().items()
+        }
     model = _unwrapped(model)
     state = {name: _to_state(param, param.data) for name, param in model.named_parameters()}
     state.update({name: buffer.copy() for name, buffer in model.named_buffers()})
@@ -131,7 +160,9 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
     differs from its parameter's (it is gathered): every rank passes the same keys."""
     if _fsdp(model):
         params = dict(model.named_parameters())
-        state = {k: _blocks_merged(params[k], v) if k in params else v for k, v in state.items()}
+        state = {
+            k: _fsdp_value(params[k], v, repr(k)) if k in params else v for k, v in state.items()
+        }
         model.load_state_dict(state, strict)
         return
     model = _unwrapped(model)
@@ -161,7 +192,11 @@ def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
         for unit in model.fsdp_units():  # after a forward, .data is the gathered parameter
             unit.reshard()
         optimizer.init_state()
-        return optim_state_dict(model, optimizer)
+        state = optim_state_dict(model, optimizer)
+        params = dict(model.named_parameters())
+        for name, entry in state["state"].items():
+            state["state"][name] = {k: _gathered(params[name], v) for k, v in entry.items()}
+        return state
     optimizer.init_state()
     return named_optim_state_dict(_unwrapped(model), optimizer, _to_state)
 
@@ -173,7 +208,9 @@ def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) 
         params = dict(model.named_parameters())
         entries = {
             name: {
-                k: _blocks_merged(params[name], v) if name in params else v
+                k: _fsdp_value(params[name], v, f"{name!r} state {k!r}")
+                if name in params and (isinstance(v, DTensor) or getattr(v, "ndim", 0))
+                else v
                 for k, v in entry.items()
             }
             for name, entry in state["state"].items()

@@ -263,7 +263,8 @@ def fully_shard(
     :class:`FSDPModule`.
 
     ``mesh``: 1-d (every rank shards), or 2-d for hybrid sharding (replicate over dimension 0,
-    shard over dimension 1); default the whole world. ``strategy``: a :class:`ShardingStrategy`
+    shard over dimension 1); default the whole world. A tensor-parallel model (split over
+    ``mesh["tp"]``) is sharded over ``mesh["dp"]``: each rank's pieces are what it shards. ``strategy``: a :class:`ShardingStrategy`
     (or its value); ``reshard_after_forward`` overrides the strategy's (False turns FULL_SHARD
     into SHARD_GRAD_OP's gathering). ``prefetch``: gather the next unit while this one
     computes, in forward and backward.
@@ -298,16 +299,7 @@ def fully_shard(
         for piece in inner._fsdp_unit.pieces
     }
     own = [(name, p) for name, p in module.named_parameters() if id(p) not in taken]
-    split = [name for name, p in own if getattr(p, "tp_layout", None) is not None]
-    if split:
-        # its state dict and gradient clipping would take one tensor-parallel rank's piece
-        # for the whole parameter
-        raise ValueError(
-            f"rank {dist.get_rank()}: fully_shard got parameters split by tensor parallelism "
-            f"({', '.join(split[:3])}{', ...' if len(split) > 3 else ''}); FSDP of a "
-            "tensor-parallel model is not supported: use DDP over the data-parallel mesh "
-            "dimension (docs/dtensor.md)"
-        )
+    _check_tensor_parallel(own, mesh)
     mp = mp_policy or MixedPrecisionPolicy()
     unit = Unit(module, own, mesh, strategy, rules, rules.reshard_after_forward, mp, offload)
     object.__setattr__(module, "_fsdp_unit", unit)
@@ -322,6 +314,26 @@ def fully_shard(
         _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _CLASSES[cls]
     return module
+
+
+def _check_tensor_parallel(own: list[tuple[str, Any]], mesh: DeviceMesh) -> None:
+    """FSDP of a tensor-parallel model (2-D parallelism) shards each rank's piece over the
+    data-parallel mesh: a 1-d mesh that meets each piece's tensor-parallel mesh at this rank
+    only (``mesh["dp"]`` and ``mesh["tp"]`` of one 2-d mesh). Anything else would shard the
+    pieces over ranks that hold other pieces."""
+    me = dist.get_rank()
+    for name, param in own:
+        layout = getattr(param, "tp_layout", None)
+        if layout is None:
+            continue
+        shared = set(mesh.mesh.flatten().tolist()) & set(layout[0].mesh.flatten().tolist())
+        if mesh.ndim != 1 or shared != {me}:
+            raise ValueError(
+                f"rank {me}: fully_shard got {name!r}, split by tensor parallelism over "
+                f"{layout[0]!r}, to shard over {mesh!r}; a tensor-parallel model is sharded "
+                'over the 1-d data-parallel slice of the same 2-d mesh (mesh=mesh["dp"] with '
+                'the plan on mesh["tp"])'
+            )
 
 
 def _device_type(module: Module) -> str:
