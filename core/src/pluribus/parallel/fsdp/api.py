@@ -265,9 +265,9 @@ def fully_shard(
     ``mesh``: 1-d (every rank shards), or 2-d for hybrid sharding (replicate over dimension 0,
     shard over dimension 1); default the whole world. A tensor-parallel model (split over
     ``mesh["tp"]``) is sharded over ``mesh["dp"]``: each rank's pieces are what it shards.
-    ``strategy``: a :class:`ShardingStrategy` (or its value); ``reshard_after_forward`` overrides the strategy's (False turns FULL_SHARD
-    into SHARD_GRAD_OP's gathering). ``prefetch``: gather the next unit while this one
-    computes, in forward and backward.
+    ``strategy``: a :class:`ShardingStrategy` (or its value); ``reshard_after_forward``
+    overrides the strategy's (False turns FULL_SHARD into SHARD_GRAD_OP's gathering).
+    ``prefetch``: gather the next unit while this one computes, in forward and backward.
     """
     if not isinstance(module, Module):
         raise TypeError(f"fully_shard takes a pluribus.nn.Module, got {type(module).__name__}")
