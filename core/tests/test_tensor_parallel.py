@@ -758,3 +758,52 @@ def test_narrow_ids_reloaded_fused_weights_and_refusals_that_leave_the_module_wh
         assert looked_up and same
         assert error.startswith(f"rank {rank}: Linear(4, 8") and "already tensor-parallel" in error
         assert untouched
+
+
+def _fsdp_tp_losses(sequence_parallel: bool, vocab_parallel: bool, steps: int):
+    """Per-rank losses of a GPT split by the plan over tp and fully sharded over dp (2 x 2),
+    or alone on a 1-rank world."""
+    from pluribus.parallel import VocabParallelCrossEntropyLoss
+
+    config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
+    model = nn.GPT(config, dtype=np.float64, rng=0)
+    data = np.random.default_rng(5).integers(0, 32, size=(steps, 4, 9))
+    me, runner, loss_fn, dp = 0, model, nn.CrossEntropyLoss(), 1
+    if pb.get_world_size() > 1:
+        dp = 2
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = transformer_plan(model, sequence_parallel, vocab_parallel)
+        parallelize_module(model, mesh["tp"], plan)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        runner = fully_shard(model, mesh=mesh["dp"])
+        me = mesh.get_local_rank("dp")
+        if vocab_parallel:
+            loss_fn = VocabParallelCrossEntropyLoss(mesh["tp"])
+    opt = nn.AdamW(runner.parameters(), lr=1e-2)
+    losses, per = [], 4 // dp
+    for step in range(steps):
+        batch = data[step, per * me : per * (me + 1)]
+        logits = runner.forward(batch[:, :-1])
+        flat = logits.reshape(-1, logits.shape[-1])
+        losses.append(float(loss_fn.forward(flat, batch[:, 1:].reshape(-1))))
+        runner.backward(loss_fn.backward().reshape(logits.shape))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "sequence_parallel, vocab_parallel", [(True, False), (False, True), (True, True)]
+)
+def test_fsdp_of_a_sequence_and_vocab_parallel_gpt_trains_as_one_process(
+    sequence_parallel, vocab_parallel
+):
+    """SequenceParallel's own gradient accumulation and a tied table split by vocabulary,
+    both under FSDP over the data-parallel slice: the two halves' mean loss is the whole's."""
+    want = run_ranks(_fsdp_tp_losses, 1, args=(False, False, 4))[0]
+    results = run_ranks(_fsdp_tp_losses, 4, args=(sequence_parallel, vocab_parallel, 4))
+    for tp_rank in range(2):
+        mean = (np.array(results[tp_rank]) + np.array(results[2 + tp_rank])) / 2
+        np.testing.assert_allclose(mean, want, rtol=1e-12)
