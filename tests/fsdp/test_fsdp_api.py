@@ -7,6 +7,7 @@ import pytest
 from pluribus import nn
 from pluribus.mesh import init_device_mesh
 from pluribus.parallel import FullyShardedDataParallel, ShardingStrategy, fully_shard
+from pluribus.parallel.fsdp import full_optim_state_dict
 from pluribus.testing import RanksFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,3 +114,48 @@ def test_fsdp_over_the_ranks_of_the_tensor_parallel_pieces_is_refused():
             in error
         )
         assert kind == "Sequential"  # not an FSDP module
+
+
+def fsdp_tp_misuse():
+    """FSDP's own state dicts and full_parameter on a split model, and an FSDP mesh whose ranks
+    hold other pieces (refused at the first forward, before any gradient is averaged)."""
+    from pluribus.mesh import DeviceMesh
+    from pluribus.parallel import full_parameter, parallelize_module, transformer_plan
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    config = nn.GPTConfig(vocab_size=16, n_layer=1, n_head=2, n_embd=8, block_size=4)
+    errors = []
+
+    def refused(call):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+
+    model = nn.GPT(config, rng=0)
+    parallelize_module(model, mesh["tp"], transformer_plan(model))
+    fully_shard(model, mesh=mesh["dp"])
+    opt = nn.AdamW(model.parameters())
+    refused(model.state_dict)
+    refused(model.full_state_dict)
+    refused(lambda: full_optim_state_dict(model, opt))
+    refused(lambda: full_parameter(model.blocks[0].attn.qkv.weight))
+    crossed = nn.GPT(config, rng=0)
+    parallelize_module(crossed, mesh["tp"], transformer_plan(crossed))
+    fully_shard(crossed, mesh=DeviceMesh("cpu", [[0, 3], [1, 2]], ("x", "dp"))["dp"])
+    refused(lambda: crossed.forward(np.zeros((1, 4), np.int64)))
+    return errors
+
+
+def test_fsdp_of_a_split_model_refuses_what_would_mistake_a_piece_for_the_whole():
+    for rank, errors in enumerate(run_ranks(fsdp_tp_misuse, 4)):
+        assert all(e is not None and e.startswith(f"rank {rank}: ") for e in errors), errors
+        for call, error in zip(
+            ["state_dict", "full_state_dict", "full_optim_state_dict"], errors, strict=False
+        ):
+            assert f"{call} of an FSDP model whose parameters are tensor-parallel pieces" in error
+            assert "use pluribus.parallel.get_model_state_dict" in error
+        assert "full_parameter of a tensor-parallel piece that FSDP shards" in errors[3]
+        assert "FSDP needs the same units on every rank" in errors[4]
+        assert "'tensor-parallel piece 0 of 2'" in errors[4] and "piece 1 of 2" in errors[4]

@@ -27,7 +27,13 @@ from ..dtensor import DTensor, Shard, from_local
 from ..dtensor.layout import default_layout
 from ..nn.module import Parameter, array_namespace
 from .ddp import DistributedDataParallel
-from .fsdp import FSDPModule, FullyShardedDataParallel, load_optim_state_dict, optim_state_dict
+from .fsdp import FSDPModule, FullyShardedDataParallel
+from .fsdp.state_dict import (
+    _load_optim_state_dict,
+    _load_sharded_state_dict,
+    _optim_state_dict,
+    _sharded_state_dict,
+)
 from .named_state import check_keys, load_named_optim_state_dict, named_optim_state_dict
 from .tensor_parallel.pieces import piece_of, rank_span
 
@@ -144,9 +150,8 @@ def get_model_state_dict(model: Any) -> dict[str, Any]:
     gathers of FSDP of a tensor-parallel model)."""
     if _fsdp(model):
         params = dict(model.named_parameters())
-        return {
-            k: _gathered(params[k], v) if k in params else v for k, v in model.state_dict().items()
-        }
+        state = _sharded_state_dict(model)  # FSDP's own: a split parameter's rows of its piece
+        return {k: _gathered(params[k], v) if k in params else v for k, v in state.items()}
     model = _unwrapped(model)
     state = {name: _to_state(param, param.data) for name, param in model.named_parameters()}
     state.update({name: buffer.copy() for name, buffer in model.named_buffers()})
@@ -163,7 +168,7 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
         state = {
             k: _fsdp_value(params[k], v, repr(k)) if k in params else v for k, v in state.items()
         }
-        model.load_state_dict(state, strict)
+        _load_sharded_state_dict(model, state, strict)
         return
     model = _unwrapped(model)
     if strict:
@@ -192,7 +197,7 @@ def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
         for unit in model.fsdp_units():  # after a forward, .data is the gathered parameter
             unit.reshard()
         optimizer.init_state()
-        state = optim_state_dict(model, optimizer)
+        state = _optim_state_dict(model, optimizer)
         params = dict(model.named_parameters())
         for name, entry in state["state"].items():
             state["state"][name] = {k: _gathered(params[name], v) for k, v in entry.items()}
@@ -215,7 +220,7 @@ def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) 
             }
             for name, entry in state["state"].items()
         }
-        load_optim_state_dict(model, optimizer, {**state, "state": entries})
+        _load_optim_state_dict(model, optimizer, {**state, "state": entries})
         return
 
     def load(param: Parameter, value: Any, what: str) -> Any:

@@ -72,13 +72,18 @@ class _RootState:
 
 
 def _check_same_units(units: list[Unit]) -> None:
-    """Every rank of the mesh must shard the same parameters the same way; name the first
-    difference (checked along each mesh dimension, so a mesh over part of the world works)."""
+    """Every rank of the mesh must shard the same parameters the same way, and the same
+    tensor-parallel piece of each (ranks that hold other pieces would average them); name the
+    first difference (checked along each mesh dimension, so a mesh over part of the world
+    works)."""
     mine = [
         [
             u.name,
             u.strategy.value,
-            [[p.name, list(p.shape), str(p.param.data.dtype)] for p in u.pieces],
+            [
+                [p.name, list(p.shape), str(p.param.data.dtype), _piece_of(p.param)]
+                for p in u.pieces
+            ],
         ]
         for u in units
     ]
@@ -100,6 +105,14 @@ def _check_same_units(units: list[Unit]) -> None:
                 f"#{first} is {other} on rank {group.ranks[local_rank]} and {ours} on this "
                 "rank; build and wrap the model the same way everywhere"
             )
+
+
+def _piece_of(param: Any) -> str:
+    """Which tensor-parallel piece a parameter holds ("whole" when it is not split)."""
+    layout = getattr(param, "tp_layout", None)
+    if layout is None:
+        return "whole"
+    return f"tensor-parallel piece {layout[0].get_local_rank()} of {layout[0].size()}"
 
 
 def _state(module: Module) -> _RootState:

@@ -37,7 +37,7 @@ def _host(array: Any) -> Any:
     return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else array
 
 
-def sharded_state_dict(model: Any) -> dict[str, Any]:
+def _sharded_state_dict(model: Any) -> dict[str, Any]:
     index = _index(model)
     out: dict[str, Any] = {}
     for name, param in model.named_parameters():
@@ -70,7 +70,7 @@ def _local_rows(unit: Any, i: int, value: Any, what: str) -> Any:
     return value[start : start + piece.sizes[unit.me]]
 
 
-def load_sharded_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
+def _load_sharded_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
     """Load DTensors (any layout: others are gathered first) or whole arrays into the shards."""
     index = _index(model)
     for unit in model.fsdp_units():  # gathered parameters would go stale
@@ -96,6 +96,7 @@ def _host_or_device(rows: Any, target: Any) -> Any:
 
 def full_state_dict(model: Any) -> dict[str, Any]:
     """Whole parameters (numpy) and buffers on global rank 0, one unit gathered at a time."""
+    _refuse_pieces(model, "full_state_dict")
     names = {id(p): name for name, p in model.named_parameters()}
     out: dict[str, Any] = {}
     on_zero = dist.get_rank() == 0
@@ -110,7 +111,7 @@ def full_state_dict(model: Any) -> dict[str, Any]:
     return out
 
 
-def optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+def _optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     """The optimizer state by parameter name (see :mod:`..named_state`), each state array a
     DTensor with its parameter's layout."""
     index = _index(model)
@@ -124,6 +125,7 @@ def optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
 
 def full_optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     """The same with whole numpy arrays, on global rank 0 only, one unit at a time."""
+    _refuse_pieces(model, "full_optim_state_dict")
     names = {id(p): name for name, p in model.named_parameters()}
     by_param = {id(p): entry for p, entry in zip(optimizer.params, optimizer.state, strict=True)}
     on_zero = dist.get_rank() == 0
@@ -154,7 +156,7 @@ def full_optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     }
 
 
-def load_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any]) -> None:
+def _load_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any]) -> None:
     """Load a sharded or a full optimizer state dict (the full one given on every rank)."""
     index = _index(model)
 
@@ -166,3 +168,41 @@ def load_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any]) -> No
         return xp.asarray(_host_or_device(rows, target), dtype=target.dtype).copy()
 
     load_named_optim_state_dict(model, optimizer, osd, load)
+
+
+def _refuse_pieces(model: Any, call: str) -> None:
+    """FSDP's own state dicts name each parameter's array as the whole parameter, which a
+    tensor-parallel piece is not: refuse them for a split model, on every rank alike."""
+    for unit in model.fsdp_units():
+        for piece in unit.pieces:
+            if getattr(piece.param, "tp_layout", None) is not None:
+                raise ValueError(
+                    f"rank {dist.get_rank()}: {call} of an FSDP model whose parameters are "
+                    "tensor-parallel pieces would give a piece as the whole parameter; use "
+                    "pluribus.parallel.get_model_state_dict and set_model_state_dict (and "
+                    "get_/set_optimizer_state_dict), which save the pieces as DTensors"
+                )
+
+
+def sharded_state_dict(model: Any) -> dict[str, Any]:
+    """Each parameter as a ``Shard(0)`` DTensor with its whole shape, buffers as copies."""
+    _refuse_pieces(model, "state_dict")
+    return _sharded_state_dict(model)
+
+
+def load_sharded_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
+    """Load DTensors (any layout: others are gathered first) or whole arrays into the shards."""
+    _refuse_pieces(model, "load_state_dict")
+    _load_sharded_state_dict(model, state, strict)
+
+
+def optim_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The optimizer state by parameter name, each array in its parameter's layout."""
+    _refuse_pieces(model, "optim_state_dict")
+    return _optim_state_dict(model, optimizer)
+
+
+def load_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any]) -> None:
+    """Load a sharded or a full optimizer state dict (the full one given on every rank)."""
+    _refuse_pieces(model, "load_optim_state_dict")
+    _load_optim_state_dict(model, optimizer, osd)

@@ -70,6 +70,12 @@ def shard_parameter(param: Parameter, dim: int, mesh: DeviceMesh, chunks: int = 
 def full_parameter(param: Parameter, grad: bool = False) -> Any:
     """The whole parameter (or its gradient) on every rank, from the pieces of a tensor-parallel
     layer; a parameter that is not split comes back as it is."""
+    if getattr(param, "sharded_by_fsdp", False) and getattr(param, "tp_layout", None) is not None:
+        raise ValueError(
+            f"rank {dist.get_rank()}: full_parameter of a tensor-parallel piece that FSDP shards "
+            "(its .data holds rows of the piece); use pluribus.parallel.get_model_state_dict "
+            "and the DTensors' full_tensor()"
+        )
     local = param.grad if grad else param.data
     layout = getattr(param, "tp_layout", None)
     if layout is None:
