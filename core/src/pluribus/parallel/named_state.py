@@ -21,6 +21,15 @@ Save = Callable[[Any, Any], Any]
 Load = Callable[[Any, Any, str], Any]
 
 
+def like(target: Any, value: Any, copy: bool = False) -> Any:
+    """``value`` as an array of ``target``'s library, device and dtype (a cupy value comes to
+    the host for a numpy target); ``copy`` for one the state dict does not share."""
+    if isinstance(target, np.ndarray) and hasattr(value, "get"):
+        value = value.get()
+    value = array_namespace(target).asarray(value, dtype=target.dtype)
+    return value.copy() if copy else value
+
+
 def check_keys(state: dict[str, Any], model: Any, call: str) -> None:
     """Refuse a model state whose keys are not exactly the model's parameters and buffers."""
     names = {name for name, _ in model.named_parameters()}
@@ -85,7 +94,7 @@ def load_named_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any],
                 loaded[key] = np.array(value, dtype=np.int64)
             else:  # a float number is the state of a 0-d parameter (its arrays of any other
                 # shape are arrays): it takes the parameter's dtype and library
-                loaded[key] = array_namespace(param.data).asarray(value, dtype=param.data.dtype)
+                loaded[key] = like(param.data, value)
         optimizer.state[k] = loaded
     for group, saved in zip(optimizer.param_groups, osd.get("param_groups", []), strict=False):
         group.update({k: v for k, v in saved.items() if k != "params"})

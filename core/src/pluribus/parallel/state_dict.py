@@ -25,7 +25,7 @@ from typing import Any
 from .. import distributed as dist
 from ..dtensor import DTensor, Shard, from_local
 from ..dtensor.layout import default_layout
-from ..nn.module import Parameter, array_namespace
+from ..nn.module import Parameter
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPModule, FullyShardedDataParallel
 from .fsdp.state_dict import (
@@ -34,7 +34,7 @@ from .fsdp.state_dict import (
     _optim_state_dict,
     _sharded_state_dict,
 )
-from .named_state import check_keys, load_named_optim_state_dict, named_optim_state_dict
+from .named_state import check_keys, like, load_named_optim_state_dict, named_optim_state_dict
 from .tensor_parallel.pieces import piece_of, rank_span
 
 
@@ -138,13 +138,6 @@ def _from_state(param: Parameter, value: Any, what: str) -> Any:
     return piece_of(value, dim, mesh, chunks)
 
 
-def _into(target: Any, value: Any) -> Any:
-    """``value`` as an array of ``target``'s library, device and dtype (a copy)."""
-    if not hasattr(target, "get") and hasattr(value, "get"):  # a cupy value, a numpy target
-        value = value.get()
-    return array_namespace(target).asarray(value, dtype=target.dtype).copy()
-
-
 def get_model_state_dict(model: Any) -> dict[str, Any]:
     """Every parameter and buffer by name, in the forms above (no communication, but for the
     gathers of FSDP of a tensor-parallel model)."""
@@ -176,7 +169,7 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     for name, param in params.items():
         if name in state:
-            param.data[...] = _into(param.data, _from_state(param, state[name], repr(name)))
+            param.data[...] = like(param.data, _from_state(param, state[name], repr(name)))
     for name, buffer in buffers.items():
         if name in state:
             value = state[name]
@@ -186,7 +179,7 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
                     f"rank {dist.get_rank()}: buffer {name!r} has shape {tuple(value.shape)} "
                     f"in the state but {tuple(buffer.shape)} in the model"
                 )
-            buffer[...] = _into(buffer, value)
+            buffer[...] = like(buffer, value)
 
 
 def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -224,6 +217,6 @@ def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) 
         return
 
     def load(param: Parameter, value: Any, what: str) -> Any:
-        return _into(param.data, _from_state(param, value, what))
+        return like(param.data, _from_state(param, value, what), copy=True)
 
     load_named_optim_state_dict(_unwrapped(model), optimizer, state, load)

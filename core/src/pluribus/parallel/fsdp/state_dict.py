@@ -15,10 +15,10 @@ import numpy as np
 
 from ... import distributed as dist
 from ...dtensor import DTensor
-from ...nn.module import array_namespace
 from ..named_state import (
     check_keys,
     group_entries,
+    like,
     load_named_optim_state_dict,
     named_optim_state_dict,
 )
@@ -84,14 +84,10 @@ def _load_sharded_state_dict(model: Any, state: dict[str, Any], strict: bool = T
             unit, i = index[id(param)]
             rows = _local_rows(unit, i, state[name], repr(name))
             target = unit.shard_views[i]
-            target[...] = array_namespace(target).asarray(_host_or_device(rows, target))
+            target[...] = like(target, rows)
     for name, target in buffers.items():
         if name in state:
-            target[...] = array_namespace(target).asarray(state[name], dtype=target.dtype)
-
-
-def _host_or_device(rows: Any, target: Any) -> Any:
-    return _host(rows) if isinstance(target, np.ndarray) else rows
+            target[...] = like(target, state[name])
 
 
 def full_state_dict(model: Any) -> dict[str, Any]:
@@ -163,9 +159,7 @@ def _load_optim_state_dict(model: Any, optimizer: Any, osd: dict[str, Any]) -> N
     def load(param: Any, value: Any, what: str) -> Any:
         unit, i = index[id(param)]
         rows = _local_rows(unit, i, value, what)
-        target = unit.shard_views[i]
-        xp = array_namespace(target)
-        return xp.asarray(_host_or_device(rows, target), dtype=target.dtype).copy()
+        return like(unit.shard_views[i], rows, copy=True)
 
     load_named_optim_state_dict(model, optimizer, osd, load)
 

@@ -50,8 +50,8 @@ class VocabParallelEmbedding(Embedding):
         local = indices.astype(np.int64) - start  # in a narrow or unsigned type it would wrap
         mine = (local >= 0) & (local < stop - start)
         if stop > start:
-            rows = self.weight.data[xp.where(mine, local, 0)]
-            rows = xp.where(mine[..., None], rows, 0)  # not a product: inf * 0 is nan
+            rows = self.weight.data[xp.where(mine, local, 0)]  # a new array: zeroed in place
+            rows[~mine] = 0  # not a product: inf * 0 is nan
         else:  # no rows here (more ranks than tokens): zeros to sum
             rows = xp.zeros((*indices.shape, self.embedding_dim), self.weight.data.dtype)
         self.save_for_backward(local=local, mine=mine)
