@@ -197,6 +197,24 @@ def test_hooks_can_replace_inputs_outputs_and_gradients():
     np.testing.assert_array_equal(layer.weight.grad, [[6, 6], [6, 6]])  # 3 * dy outer 2 x
 
 
+def test_prepend_runs_a_hook_before_those_registered_earlier():
+    """torch's ``prepend=True``, on each of the four hook lists: order shows in the arithmetic
+    (first add, then multiply, or the other way round)."""
+    layer = nn.Linear(1, 1, bias=False, rng=0)
+    layer.weight.data[...] = 1
+    layer.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    layer.register_forward_pre_hook(lambda m, args: (args[0] + 1,), prepend=True)
+    layer.register_forward_hook(lambda m, args, out: out * 3)
+    layer.register_forward_hook(lambda m, args, out: out + 1, prepend=True)
+    layer.register_full_backward_pre_hook(lambda m, g: (g[0] * 5,))
+    layer.register_full_backward_pre_hook(lambda m, g: (g[0] + 1,), prepend=True)
+    layer.register_full_backward_hook(lambda m, gi, go: (gi[0] * 7,))
+    layer.register_full_backward_hook(lambda m, gi, go: (gi[0] + 1,), prepend=True)
+    x = np.ones((1, 1), dtype=np.float32)
+    np.testing.assert_array_equal(layer(x), [[((1 + 1) * 2 + 1) * 3]])
+    np.testing.assert_array_equal(layer.backward(np.ones((1, 1), np.float32)), [[(10 + 1) * 7]])
+
+
 def test_a_subclass_calling_super_forward_runs_its_hooks_once():
     class Shifted(nn.Linear):
         def forward(self, x):

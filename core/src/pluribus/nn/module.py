@@ -43,6 +43,11 @@ class RemovableHandle:
             self._hooks.remove(self._hook)
 
 
+def _registered(hooks: list, hook: Callable, prepend: bool) -> RemovableHandle:
+    hooks.insert(0, hook) if prepend else hooks.append(hook)
+    return RemovableHandle(hooks, hook)
+
+
 class Parameter:
     """A trainable array and its gradient (``None`` until the first backward)."""
 
@@ -197,29 +202,33 @@ class Module:
 
     # -- module hooks (torch's names and signatures) ------------------------------------------
 
-    def register_forward_pre_hook(self, hook: Callable) -> RemovableHandle:
+    # ``prepend=True`` (torch's) runs the hook before those registered earlier.
+
+    def register_forward_pre_hook(
+        self, hook: Callable, *, prepend: bool = False
+    ) -> RemovableHandle:
         """``hook(module, args)`` before forward; may return new args (a tuple, or one value)."""
-        self._forward_pre_hooks.append(hook)
-        return RemovableHandle(self._forward_pre_hooks, hook)
+        return _registered(self._forward_pre_hooks, hook, prepend)
 
-    def register_forward_hook(self, hook: Callable) -> RemovableHandle:
+    def register_forward_hook(self, hook: Callable, *, prepend: bool = False) -> RemovableHandle:
         """``hook(module, args, output)`` after forward; may return a new output."""
-        self._forward_hooks.append(hook)
-        return RemovableHandle(self._forward_hooks, hook)
+        return _registered(self._forward_hooks, hook, prepend)
 
-    def register_full_backward_pre_hook(self, hook: Callable) -> RemovableHandle:
+    def register_full_backward_pre_hook(
+        self, hook: Callable, *, prepend: bool = False
+    ) -> RemovableHandle:
         """``hook(module, grad_output)`` before backward (``grad_output`` is a 1-tuple, as in
         torch); may return a new tuple. Runs for ``backward`` and ``backward_input``."""
-        self._backward_pre_hooks.append(hook)
-        return RemovableHandle(self._backward_pre_hooks, hook)
+        return _registered(self._backward_pre_hooks, hook, prepend)
 
-    def register_full_backward_hook(self, hook: Callable) -> RemovableHandle:
+    def register_full_backward_hook(
+        self, hook: Callable, *, prepend: bool = False
+    ) -> RemovableHandle:
         """``hook(module, grad_input, grad_output)`` after backward (1-tuples); may return a new
         ``grad_input`` tuple. With split backward it runs after ``backward_input``, before the
         parameter gradients exist (their arrival is announced per parameter by
         :meth:`Parameter.register_post_accumulate_grad_hook`)."""
-        self._backward_hooks.append(hook)
-        return RemovableHandle(self._backward_hooks, hook)
+        return _registered(self._backward_hooks, hook, prepend)
 
     # -- traversal ----------------------------------------------------------------------------
 

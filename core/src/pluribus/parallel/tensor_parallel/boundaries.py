@@ -17,20 +17,20 @@ def move(
     mesh: DeviceMesh,
     src: Placement,
     dst: Placement,
-    features: int,
+    features: int | None,
     rows: int | None = None,
 ) -> Any:
     """``array`` (this rank's piece in ``src``) redistributed to ``dst`` along the mesh.
-    A ``Shard`` source of the last dimension has ``features`` entries there in all; of another
-    dimension (batch, sequence), ``rows`` when the caller knows them, else the ranks exchange
-    their pieces' shapes to learn the sizes (uneven ones included: never guessed)."""
+    A ``Shard`` source's whole size along its dimension: ``rows`` when the caller knows it, else
+    ``features`` for the last dimension; with neither, the ranks exchange their pieces' shapes
+    to learn the sizes (uneven ones included: never guessed)."""
     if src == dst:
         return array
     shape = list(array.shape)
     if isinstance(src, Shard):
-        if src.dim % len(shape) == len(shape) - 1:
-            shape[-1] = features
-        elif rows is None:
+        dim = src.dim % len(shape)
+        whole = rows if rows is not None else features if dim == len(shape) - 1 else None
+        if whole is None:
             dt = from_local(array, mesh, [src])  # the same sizes on every rank: refused alike
             sizes = dt.layout.sizes[0]
             if sizes != split_sizes(sum(sizes), len(sizes)):
@@ -41,8 +41,7 @@ def move(
                     f"mesh, got {sizes}"
                 )
             return dt.redistribute(placements=[dst]).to_local()
-        else:
-            shape[src.dim] = rows
+        shape[dim] = whole
     dt = from_local(array, mesh, [src], run_check=False, shape=shape)
     return dt.redistribute(placements=[dst]).to_local()
 

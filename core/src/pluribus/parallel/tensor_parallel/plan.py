@@ -38,6 +38,14 @@ def parallelize_module(
         )
     if isinstance(parallelize_plan, ParallelStyle):
         return parallelize_plan.apply(module, mesh)
+    if not isinstance(parallelize_plan, dict) or not all(
+        isinstance(style, ParallelStyle) for style in parallelize_plan.values()
+    ):
+        raise TypeError(
+            f"{rank_text(mesh)}: parallelize_plan is a style or a dict of module name patterns "
+            f"to styles (ColwiseParallel(), PrepareModuleInput(...), ...), got "
+            f"{parallelize_plan!r}"[:400]
+        )
     names = dict(module.named_modules())
 
     def matches(name: str, pattern: str) -> bool:

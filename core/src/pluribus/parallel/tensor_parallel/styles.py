@@ -1,7 +1,10 @@
 """The parallel styles (torch's names): how one module is split over a 1-d mesh. Column-
 and row-parallel Linears (and a row-parallel Embedding), attention by heads, the transformer
 MLP, and sequence parallelism. A style checks every layer and parameter it will split before
-it splits any, then cuts the parameters and hooks the collectives at the module's boundaries."""
+it splits any, then cuts the parameters and hooks the collectives at the module's boundaries.
+Backward hooks go ahead of the module's others (``prepend=True``): when several styles hook
+one module, backward undoes their moves in the reverse of forward's order, as torch's autograd
+does."""
 
 from __future__ import annotations
 
@@ -41,12 +44,15 @@ def _mark_once(module: Module, mesh: DeviceMesh, style: str) -> None:
 
 def _local_output_only(style: str, use_local_output: bool) -> None:
     """torch's ``use_local_output``: pluribus.nn layers take and give local arrays, so only
-    True (torch's default for these styles) is what happens here."""
+    True is what happens here (torch's default for the Linear styles and PrepareModuleOutput;
+    its PrepareModuleInput and SequenceParallel default to False, handing the module DTensors,
+    which a pluribus module cannot take)."""
     if use_local_output is not True:
         raise ValueError(
             f"rank {dist.get_rank()}: {style}(use_local_output={use_local_output!r}): "
-            "pluribus.nn layers give this rank's piece as a local array (use_local_output=True); "
-            "wrap it with DTensor.from_local for a DTensor"
+            "pluribus.nn layers take and give this rank's piece as a local array, so "
+            "use_local_output=True is the only choice (a plan ported from torch drops the "
+            "argument); wrap a piece with DTensor.from_local where a DTensor is wanted"
         )
 
 
@@ -137,11 +143,12 @@ class ColwiseParallel(ParallelStyle):
                     move(
                         g[0], mesh, out, Shard(-1), full_out, global_rows(m._tp_output_shape, out)
                     ),
-                )
+                ),
+                prepend=True,
             )
         if self._reduce_input_grad:
             module.register_full_backward_hook(
-                lambda m, gi, go: (move(gi[0], mesh, Partial(), inp, features),)
+                lambda m, gi, go: (move(gi[0], mesh, Partial(), inp, features),), prepend=True
             )
         return module
 
@@ -195,7 +202,7 @@ class RowwiseParallel(ParallelStyle):
                 lambda m, args: (move(args[0], mesh, inp, Shard(-1), full_in),)
             )
             module.register_full_backward_hook(
-                lambda m, gi, go: (move(gi[0], mesh, Shard(-1), inp, full_in),)
+                lambda m, gi, go: (move(gi[0], mesh, Shard(-1), inp, full_in),), prepend=True
             )
         if out != Replicate():
             module.register_full_backward_pre_hook(
@@ -203,7 +210,8 @@ class RowwiseParallel(ParallelStyle):
                     move(
                         g[0], mesh, out, Replicate(), features, global_rows(m._tp_output_shape, out)
                     ),
-                )
+                ),
+                prepend=True,
             )
         return module
 
@@ -230,7 +238,8 @@ class RowwiseParallel(ParallelStyle):
             module.register_full_backward_pre_hook(
                 lambda m, g: (
                     move(g[0], mesh, out, Replicate(), m.embedding_dim, m._tp_output_rows),
-                )
+                ),
+                prepend=True,
             )
         return module
 
@@ -283,7 +292,7 @@ class AttentionParallel(ParallelStyle):
                 lambda m, args: (move(args[0], mesh, outer, Replicate(), features),)
             )
         module.register_full_backward_hook(
-            lambda m, gi, go: (move(gi[0], mesh, Partial(), outer, features),)
+            lambda m, gi, go: (move(gi[0], mesh, Partial(), outer, features),), prepend=True
         )
         return module
 
@@ -321,17 +330,46 @@ class MLPParallel(ParallelStyle):
 class SequenceParallel(ParallelStyle):
     """A per-token module (LayerNorm, dropout) on this rank's part of the sequence, with its
     parameters replicated: each gradient it adds is summed over the tensor-parallel ranks
-    (one small all-reduce) before it reaches ``.grad``, so every rank holds the whole one."""
+    (one small all-reduce) before it reaches ``.grad``, so every rank holds the whole one. A
+    seeded dropout in it draws a stream of this rank's own (its tokens differ from the others').
+
+    torch's arguments: ``sequence_dim`` is the dimension of the input the ranks split. The
+    module runs on the local piece whatever it is, so it is only checked, at each forward (the
+    input is not known when the style is applied): a dimension the input lacks is refused.
+    ``use_local_output`` is True only (the module takes and gives local arrays).
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True):
+        _local_output_only("SequenceParallel", use_local_output)
+        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, (int, np.integer)):
+            raise TypeError(
+                f"rank {dist.get_rank()}: SequenceParallel(sequence_dim={sequence_dim!r}): the "
+                "sequence dimension is an int (1 for (batch, sequence, features) inputs)"
+            )
+        self.sequence_dim = int(sequence_dim)
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         _mark_once(module, mesh, "SequenceParallel")
+        dim = self.sequence_dim
 
         def accumulate(param: Parameter, grad: Any) -> None:
             Parameter.accumulate_grad(param, move(grad, mesh, Partial(), Replicate(), 0))
 
+        def check(m: Module, args: tuple) -> None:
+            ndim = getattr(args[0], "ndim", None) if args else None
+            if ndim is not None and not -ndim <= dim < ndim:
+                raise ValueError(
+                    f"{rank_text(mesh)}: SequenceParallel(sequence_dim={dim}) on {m!r} got an "
+                    f"input of shape {tuple(args[0].shape)}, which has no dimension {dim}; pass "
+                    "the dimension the ranks split the sequence along"
+                )
+
         for _, param in module.named_parameters():
             # a method of the parameter: a deep copy of the model binds it to the copy
             param.accumulate_grad = types.MethodType(accumulate, param)
+        for _, child in module.named_modules():
+            _own_stream(child, mesh)
+        module.register_forward_pre_hook(check)
         return module
 
 
@@ -359,6 +397,6 @@ class SequenceSharded(ParallelStyle):
 
         module.register_forward_pre_hook(lambda m, args: (mine(m, args[0]),))
         module.register_forward_hook(lambda m, args, y: whole(m, y))
-        module.register_full_backward_pre_hook(lambda m, g: (mine(m, g[0]),))
-        module.register_full_backward_hook(lambda m, gi, go: (whole(m, gi[0]),))
+        module.register_full_backward_pre_hook(lambda m, g: (mine(m, g[0]),), prepend=True)
+        module.register_full_backward_hook(lambda m, gi, go: (whole(m, gi[0]),), prepend=True)
         return module

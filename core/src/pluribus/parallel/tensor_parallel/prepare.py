@@ -1,0 +1,255 @@
+"""torch's ``PrepareModuleInput`` and ``PrepareModuleOutput``: a module's positional inputs (or
+outputs) moved from the layout they come in to the one wanted, and their gradients moved back,
+so that a plan ported from torch can say where a sequence is gathered or cut (before attention,
+after a position table). Nothing is split; each move is one redistribute (``move``).
+
+The moved values stay local arrays, since pluribus modules take and give those. The whole
+shape each forward saw is kept on the module, not in a closure, so the gradients of uneven
+pieces come back in the sizes forward cut, in a deep copy of the model too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ... import distributed as dist
+from ...dtensor import Placement, Shard
+from ...mesh import DeviceMesh
+from ...nn.module import Module
+from .boundaries import global_rows, move
+from .pieces import rank_text
+from .styles import ParallelStyle, _local_output_only, _mark_once, _no_partial
+
+Layouts = Placement | tuple[Placement | None, ...] | None
+Pairs = tuple[tuple[Placement | None, Placement | None], ...]
+
+
+def _pairs(style: str, what: str, names: tuple[str, str], given: Layouts, wanted: Layouts) -> Pairs:
+    """The (layout, desired layout) of each positional value, checked: a Placement or a tuple
+    of them, of one length, None (left alone) in both or neither, no Partial."""
+    tuples = []
+    for name, layouts in zip(names, (given, wanted), strict=True):
+        if isinstance(layouts, Placement):
+            layouts = (layouts,)
+        if not isinstance(layouts, (tuple, list)) or not all(
+            p is None or isinstance(p, Placement) for p in layouts
+        ):
+            raise TypeError(
+                f"rank {dist.get_rank()}: {style}({name}={layouts!r}): give a Placement "
+                f"(Replicate(), Shard(d)) or a tuple with one per positional {what}, None for "
+                "one left as it is"
+            )
+        tuples.append(tuple(layouts))
+    if len(tuples[0]) != len(tuples[1]) or not tuples[0]:
+        raise ValueError(
+            f"rank {dist.get_rank()}: {style}({names[0]}={given!r}, {names[1]}={wanted!r}): "
+            f"give one layout and one desired layout per positional {what}, at least one "
+            f"(got {len(tuples[0])} and {len(tuples[1])})"
+        )
+    for k, (src, dst) in enumerate(zip(*tuples, strict=True)):
+        if (src is None) != (dst is None):
+            raise ValueError(
+                f"rank {dist.get_rank()}: {style}: {what} {k} has {names[0]}[{k}]={src!r} and "
+                f"{names[1]}[{k}]={dst!r}; None leaves that {what} as it is, so it goes in "
+                "both or neither"
+            )
+        _no_partial(style, **{f"{names[0]}[{k}]": src, f"{names[1]}[{k}]": dst})
+    return tuple(zip(*tuples, strict=True))
+
+
+def _check(values: tuple, pairs: Pairs, mesh: DeviceMesh, what: str, module: Module) -> None:
+    """Refuse, before anything is sent, values that the layouts do not fit."""
+    if len(values) != len(pairs):
+        raise ValueError(
+            f"{rank_text(mesh)}: {module!r} has {len(values)} positional {what}(s) but its "
+            f"Prepare layouts name {len(pairs)}; give one per {what} (None for one left alone)"
+        )
+    for k, (value, (src, dst)) in enumerate(zip(values, pairs, strict=True)):
+        if src is None or src == dst:
+            continue
+        ndim = getattr(value, "ndim", None)
+        if ndim is None:
+            raise TypeError(
+                f"{rank_text(mesh)}: {what} {k} of {module!r} is a {type(value).__name__}, not "
+                f"an array, and cannot go from {src!r} to {dst!r}; give it the layout None"
+            )
+        for layout in (src, dst):
+            if isinstance(layout, Shard) and not -ndim <= layout.dim < ndim:
+                raise ValueError(
+                    f"{rank_text(mesh)}: {what} {k} of {module!r} has shape "
+                    f"{tuple(value.shape)}, which has no dimension {layout.dim} for {layout!r}; "
+                    "give the layouts of dimensions it has"
+                )
+
+
+def _same(src: Placement, dst: Placement, ndim: int) -> bool:
+    """Whether two layouts of an ``ndim``-dimensional value are one (``Shard(-1)`` of a matrix
+    is ``Shard(1)``)."""
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return src.dim % ndim == dst.dim % ndim
+    return src == dst
+
+
+def _forward(values: tuple, pairs: Pairs, mesh: DeviceMesh) -> tuple[list, list]:
+    """The values moved to their desired layouts, and the whole shape of each moved one."""
+    moved, shapes = [], []
+    for value, (src, dst) in zip(values, pairs, strict=True):
+        if src is None or src == dst or _same(src, dst, value.ndim):
+            moved.append(value)
+            shapes.append(None)
+            continue
+        out = move(value, mesh, src, dst, None)  # a Shard source's sizes: from the ranks
+        whole = list(value.shape)
+        if isinstance(src, Shard):
+            dim = src.dim % len(whole)
+            whole[dim] = out.shape[dim]
+        moved.append(out)
+        shapes.append(tuple(whole))
+    return moved, shapes
+
+
+def _backward(grads: tuple, pairs: Pairs, shapes: list, mesh: DeviceMesh) -> list:
+    """The gradients, which come in the desired layouts, moved back to the given ones."""
+    back = []
+    for grad, (src, dst), shape in zip(grads, pairs, shapes, strict=True):
+        if shape is None or grad is None:
+            back.append(grad)
+        else:
+            back.append(move(grad, mesh, dst, src, shape[-1], global_rows(shape, dst)))
+    return back
+
+
+def _recorded(module: Module, name: str, style: str, mesh: DeviceMesh) -> list:
+    shapes = module.__dict__.get(name)
+    if shapes is None:
+        raise RuntimeError(
+            f"{rank_text(mesh)}: {style} on {module!r} got a gradient before any forward; run "
+            "forward before each backward"
+        )
+    return shapes
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Move a module's positional inputs from ``input_layouts`` to ``desired_input_layouts``
+    before its forward (``Shard(1)`` to ``Replicate()`` gathers the sequence), and the gradient
+    of each back after its backward (there, a local slice).
+
+    Each layout is a Placement, or a tuple with one entry per positional input (None in both
+    for an input left alone). The module's backward gives its first input's gradient, or a
+    tuple with one per input. As in torch, the styles on one module see its inputs in the order
+    they were applied and backward undoes them in reverse: apply this one first.
+
+    Keyword inputs cannot be moved: pluribus.nn's forward hooks see the positional ones only.
+    ``use_local_output`` is True only (torch's default is False, handing the module DTensors).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Layouts = None,
+        desired_input_layouts: Layouts = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_output: bool = True,
+    ):
+        _local_output_only("PrepareModuleInput", use_local_output)
+        if input_kwarg_layouts or desired_input_kwarg_layouts:
+            raise ValueError(
+                f"rank {dist.get_rank()}: PrepareModuleInput(input_kwarg_layouts="
+                f"{input_kwarg_layouts!r}, desired_input_kwarg_layouts="
+                f"{desired_input_kwarg_layouts!r}): pluribus.nn's forward hooks see a module's "
+                "positional inputs only, so a keyword input cannot be moved; pass it "
+                "positionally and give its layouts in input_layouts and desired_input_layouts"
+            )
+        self.pairs = _pairs(
+            "PrepareModuleInput",
+            "input",
+            ("input_layouts", "desired_input_layouts"),
+            input_layouts,
+            desired_input_layouts,
+        )
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        if not isinstance(module, Module):
+            raise TypeError(
+                f"{rank_text(mesh)}: PrepareModuleInput hooks a pluribus.nn Module, got "
+                f"{type(module).__name__}"
+            )
+        _mark_once(module, mesh, "PrepareModuleInput")
+        pairs = self.pairs
+
+        def prepare(m: Module, args: tuple) -> tuple:
+            _check(args, pairs, mesh, "input", m)
+            moved, m._tp_input_shapes = _forward(args, pairs, mesh)
+            return tuple(moved)
+
+        def restore(m: Module, grad_input: tuple, grad_output: tuple) -> tuple:
+            shapes = _recorded(m, "_tp_input_shapes", "PrepareModuleInput", mesh)
+            grad = grad_input[0]
+            if isinstance(grad, tuple):  # one gradient per input
+                if len(grad) != len(pairs):
+                    raise ValueError(
+                        f"{rank_text(mesh)}: {m!r}'s backward gave {len(grad)} gradients for "
+                        f"{len(pairs)} inputs; give one per positional input (None for none)"
+                    )
+                return (tuple(_backward(grad, pairs, shapes, mesh)),)
+            firsts = (grad,) + (None,) * (len(pairs) - 1)  # the first input's only
+            return (_backward(firsts, pairs, shapes, mesh)[0],)
+
+        module.register_forward_pre_hook(prepare)
+        module.register_full_backward_hook(restore, prepend=True)
+        return module
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Move a module's output (or each of a tuple of outputs) from ``output_layouts`` to
+    ``desired_output_layouts`` after its forward (``Replicate()`` to ``Shard(0)`` keeps this
+    rank's part), and the gradient of each back before its backward (there, a gather).
+
+    Layouts as for :class:`PrepareModuleInput`. As in torch, the styles on one module see its
+    output in the order they were applied: apply this one last.
+    """
+
+    def __init__(
+        self,
+        *,
+        output_layouts: Layouts,
+        desired_output_layouts: Layouts,
+        use_local_output: bool = True,
+    ):
+        _local_output_only("PrepareModuleOutput", use_local_output)
+        self.pairs = _pairs(
+            "PrepareModuleOutput",
+            "output",
+            ("output_layouts", "desired_output_layouts"),
+            output_layouts,
+            desired_output_layouts,
+        )
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        if not isinstance(module, Module):
+            raise TypeError(
+                f"{rank_text(mesh)}: PrepareModuleOutput hooks a pluribus.nn Module, got "
+                f"{type(module).__name__}"
+            )
+        _mark_once(module, mesh, "PrepareModuleOutput")
+        pairs = self.pairs
+
+        def prepare(m: Module, args: tuple, output: Any) -> Any:
+            several = isinstance(output, tuple)
+            outputs = output if several else (output,)
+            _check(outputs, pairs, mesh, "output", m)
+            moved, m._tp_output_shapes = _forward(outputs, pairs, mesh)
+            return tuple(moved) if several else moved[0]
+
+        def restore(m: Module, grad_output: tuple) -> tuple:
+            shapes = _recorded(m, "_tp_output_shapes", "PrepareModuleOutput", mesh)
+            if len(grad_output) != len(pairs):
+                raise ValueError(
+                    f"{rank_text(mesh)}: {m!r}'s backward got {len(grad_output)} gradient(s) "
+                    f"for {len(pairs)} outputs; pass one per output"
+                )
+            return tuple(_backward(grad_output, pairs, shapes, mesh))
+
+        module.register_forward_hook(prepare)
+        module.register_full_backward_pre_hook(restore, prepend=True)
+        return module
