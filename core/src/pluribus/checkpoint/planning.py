@@ -1,7 +1,19 @@
 """Who writes which box at save, and which byte ranges each rank reads at load.
 
-Both are computed by every rank from what it holds and the metadata alone, without talking to
-the others: at scale the planning rounds of a gather-plan-scatter protocol dominate save time.
+Writers are decided on one path, in :func:`.save.take_snapshot` and
+:func:`.save.write_and_commit`:
+
+- an array every rank holds whole is written by one rank (:func:`assign_replicated`);
+- a DTensor piece, where its mesh can tell (:func:`writes_locally`): by its rank, or, when it
+  is replicated along the mesh's Replicate dimensions, by one of those replicas
+  (:func:`writes_dtensor_piece`; the others do not even copy it). FSDP's pieces end here;
+- the pieces left, which saving ranks off their mesh may hold too (a tensor-parallel piece on
+  ``mesh["tp"]`` under data parallelism), travel as boxes in the all-gather that agrees on the
+  save's directory anyway, and each box several ranks hold is written by one of them
+  (:func:`assign_shared_pieces`).
+
+Each rank computes its reads at load from what it holds and the metadata alone. Neither adds a
+planning round: at scale the rounds of a gather-plan-scatter protocol dominate save time.
 """
 
 from __future__ import annotations
@@ -29,8 +41,10 @@ def dtensor_box(tensor: DTensor) -> Box:
 
 
 def writes_dtensor_piece(key: str, tensor: DTensor) -> bool:
-    """Whether this rank writes its piece: among the ranks that hold the same piece (the
-    Replicate mesh dimensions), one does, chosen by key so that replicas share the work."""
+    """Whether this rank may write its piece: among the ranks that hold the same piece along
+    the DTensor's own Replicate mesh dimensions, one, chosen by key so that replicas share the
+    work, and the others skip even the snapshot copy. Only when every rank of the mesh saves
+    (:func:`writes_locally`); copies off the mesh are :func:`assign_shared_pieces`'s."""
     mesh, coordinate = tensor.device_mesh, tensor.device_mesh.coordinate
     replicated = [m for m, p in enumerate(tensor.placements) if isinstance(p, Replicate)]
     if not replicated:
@@ -50,6 +64,24 @@ def writes_dtensor_piece(key: str, tensor: DTensor) -> bool:
     return (zlib.crc32(key.encode()) + piece) % math.prod(sizes) == mine
 
 
+def writes_locally(
+    key: str, tensor: DTensor, mesh_ranks: set[int], saving: set[int]
+) -> bool | None:
+    """Whether this rank writes its DTensor piece, as far as the DTensor's mesh (``mesh_ranks``,
+    global) can tell: True or False when it can, None when a saving rank off the mesh may
+    hold a copy, or when some of the mesh's replicas do not save (a sub-group's save) and so
+    cannot pick one among themselves: then :func:`assign_shared_pieces` picks the writer
+    among the holders. Deciding here keeps most pieces out of that exchange (FSDP's, whose mesh
+    is the saving group)."""
+    if mesh_ranks <= saving:  # every replica on the mesh saves
+        if not writes_dtensor_piece(key, tensor):
+            return False
+        return True if saving <= mesh_ranks else None
+    if saving <= mesh_ranks and not any(isinstance(p, Replicate) for p in tensor.placements):
+        return True  # distinct pieces, and no copies off the mesh
+    return None
+
+
 def assign_replicated(sized_keys: list[tuple[str, int]], world_size: int) -> dict[str, int]:
     """A writer rank for each array every rank holds whole (DDP): the largest first, each to
     the least loaded rank, so that every rank computes the same answer and bytes are spread."""
@@ -60,6 +92,42 @@ def assign_replicated(sized_keys: list[tuple[str, int]], world_size: int) -> dic
         owner[key] = rank
         loads[rank] += max(nbytes, 1)
     return owner
+
+
+PieceBox = tuple[str, tuple[int, ...], tuple[int, ...]]  # (key, offsets, sizes)
+
+
+def assign_shared_pieces(
+    held: list[list[tuple[str, list[int], list[int], int]]], loads: list[int]
+) -> dict[PieceBox, int]:
+    """A writer rank for every DTensor box, from each rank's ``(key, offsets, sizes, nbytes)``
+    (``held[rank]``) and the bytes each rank writes anyway (``loads``): a box one rank holds
+    is its own; a box several hold (only exactly equal boxes are the same piece) goes, the
+    largest first, to its least loaded holder. The DTensor's mesh cannot see replicas across
+    meshes, so without this each data-parallel replica of a tensor-parallel piece would write
+    it again (torch's DCP dedups its global plan the same way); every rank computes the same
+    answer from the same gathered lists."""
+    loads = list(loads)
+    holders: dict[PieceBox, list[int]] = {}
+    nbytes_of: dict[PieceBox, int] = {}
+    for rank, boxes in enumerate(held):
+        for key, offsets, extent, nbytes in boxes:
+            box = (key, tuple(offsets), tuple(extent))
+            holders.setdefault(box, []).append(rank)
+            nbytes_of[box] = max(nbytes_of.get(box, 0), int(nbytes))
+    writer = {}
+    for box, ranks in holders.items():
+        if len(ranks) == 1:
+            writer[box] = ranks[0]
+            loads[ranks[0]] += nbytes_of[box]
+    shared = sorted(
+        (b for b, ranks in holders.items() if len(ranks) > 1), key=lambda b: (-nbytes_of[b], b)
+    )
+    for box in shared:
+        rank = min(holders[box], key=lambda r: (loads[r], r))
+        writer[box] = rank
+        loads[rank] += max(nbytes_of[box], 1)
+    return writer
 
 
 def covers_exactly(info: TensorInfo) -> bool:

@@ -1,12 +1,15 @@
-"""Saving: take a snapshot of what this rank writes, write it, and commit together.
+"""Saving: take a snapshot of what this rank may write, write its share, and commit together.
 
-The snapshot is local (no collective): the pieces this rank writes, as host arrays, the
+The snapshot is local (no collective): the pieces this rank may write, as host arrays, the
 description of every key and the plain values. Then every rank agrees on the temporary
-directory (one small all-gather that also carries any rank's bad-input error, so every rank
-raises it before a byte is written), writes and fsyncs its own safetensors file, and sends its
-table of chunks to the others; the coordinator builds the metadata, checks that the chunks tile
-every tensor, writes it last and publishes the directory (:mod:`.commit`). A last broadcast
-tells every rank the outcome.
+directory in one small all-gather, which also carries any rank's bad-input error (so every
+rank raises it before a byte is written) and the DTensor boxes that ranks off their mesh may
+hold too: from these every rank computes the same writer for each box several ranks hold, so
+that it is written once (:mod:`.planning` describes the one path that decides who writes).
+Every rank writes and fsyncs its own safetensors file and sends its table of chunks, with the
+checksums of the boxes it holds but another rank writes; the coordinator builds the metadata,
+checks that the copies of a box agree and that the chunks tile every tensor, writes it last and
+publishes the directory (:mod:`.commit`). A last broadcast tells every rank the outcome.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import shutil
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +37,11 @@ from .errors import CheckpointError
 from .metadata import BLOCK_BYTES, METADATA_FILE, Chunk, Metadata, TensorInfo
 from .planning import (
     assign_replicated,
+    assign_shared_pieces,
     covers_exactly,
     describe_layout,
     dtensor_box,
-    writes_dtensor_piece,
+    writes_locally,
 )
 from .safetensors_io import DTYPES, as_bytes, write_file
 from .state import ARRAY, DTENSOR, VALUE, flatten, is_cupy
@@ -49,8 +53,12 @@ class Snapshot:
 
     rank: int
     world_size: int
-    #: (key, offsets, host array) of each piece this rank writes
+    #: (key, offsets, host array) of each piece this rank writes: its whole arrays, and its
+    #: DTensor pieces that no other rank can hold
     pieces: list[tuple[str, tuple[int, ...], np.ndarray]] = field(default_factory=list)
+    #: the same of each DTensor piece that a rank off the DTensor's mesh may hold too: the
+    #: holders agree on its writer in :func:`write_and_commit`
+    dtensor_pieces: list[tuple[str, tuple[int, ...], np.ndarray]] = field(default_factory=list)
     #: key -> [global shape, dtype name, saved layout]
     tensors: dict[str, list] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
@@ -70,10 +78,14 @@ def _host(array: Any, copy: bool) -> np.ndarray:
     return array
 
 
-def take_snapshot(state_dict: dict, rank: int, world_size: int, copy: bool) -> Snapshot:
-    """Everything this rank writes; ``copy`` snapshots numpy arrays (for a background write).
-    Bad input becomes ``snapshot.error`` so that every rank can raise it together."""
+def take_snapshot(
+    state_dict: dict, rank: int, world_size: int, copy: bool, saving: Sequence[int] = ()
+) -> Snapshot:
+    """Everything this rank may write; ``copy`` snapshots numpy arrays (for a background
+    write), ``saving`` are the global ranks of the saving group. Bad input becomes
+    ``snapshot.error`` so that every rank can raise it together."""
     snap = Snapshot(rank, world_size, checksum=preferred())
+    savers, mesh_ranks = set(saving), {}
     try:
         leaves = flatten(state_dict, rank)
         whole = [(leaf.key, int(leaf.value.nbytes)) for leaf in leaves if leaf.kind == ARRAY]
@@ -99,8 +111,17 @@ def take_snapshot(state_dict: dict, rank: int, world_size: int, copy: bool) -> S
                         "value yet: redistribute it to Replicate (or Shard) before saving"
                     )
                 offsets, sizes = dtensor_box(leaf.value)
-                if math.prod(sizes) > 0 and writes_dtensor_piece(leaf.key, leaf.value):
-                    snap.pieces.append((leaf.key, offsets, _host(local, copy)))
+                if math.prod(sizes) == 0:
+                    continue
+                mesh = leaf.value.device_mesh
+                if id(mesh) not in mesh_ranks:  # the state dict keeps its meshes alive
+                    mesh_ranks[id(mesh)] = set(mesh.mesh.ravel().tolist())
+                writes = writes_locally(leaf.key, leaf.value, mesh_ranks[id(mesh)], savers)
+                if writes is not None:  # decided here: written or left to a replica on the mesh
+                    if writes:
+                        snap.pieces.append((leaf.key, offsets, _host(local, copy)))
+                else:  # the holders agree on a writer in write_and_commit
+                    snap.dtensor_pieces.append((leaf.key, offsets, _host(local, copy)))
             elif owners[leaf.key] == rank and local.size > 0:
                 snap.pieces.append((leaf.key, (0,) * len(shape), _host(local, copy)))
     except (TypeError, ValueError) as e:
@@ -112,33 +133,50 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
 
-def _write_pieces(snap: Snapshot, directory: str, global_rank: int) -> dict[str, dict]:
-    """Write this rank's file (its checksums computed while the kernel takes the bytes);
-    the chunk of each key, as JSON."""
-    if not snap.pieces:
-        return {}
+Piece = tuple[str, tuple[int, ...], np.ndarray]
+
+
+def _write_pieces(
+    snap: Snapshot, writes: list[Piece], copies: list[Piece], directory: str, global_rank: int
+) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Write ``writes`` to this rank's file, their checksums computed while the kernel takes
+    the bytes, and those of ``copies`` (boxes another rank writes) too, so that the
+    coordinator can check that the copies of a box agree. The chunk of each written key, as
+    JSON, and the box and checksums of each copy."""
     name = _rank_file(snap.rank)
-    tensors = [(key, array) for key, _, array in snap.pieces]
 
     def crash_while_writing():
         commit.crash_point("writing", global_rank)
 
+    file, tensors = os.path.join(directory, name), [(key, a) for key, _, a in writes]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        written = pool.submit(
-            write_file, os.path.join(directory, name), tensors, {"format": "pluribus"},
-            crash_while_writing,
-        )  # fmt: skip
-        sums = [block_sums(as_bytes(a), BLOCK_BYTES, snap.checksum) for _, a in tensors]
-        written.result()
-    return {
-        key: Chunk(tuple(offsets), tuple(array.shape), name, key, tuple(sums)).to_json()
-        for (key, offsets, array), sums in zip(snap.pieces, sums, strict=True)
+        written = None
+        if writes:  # a rank that writes nothing leaves no file
+            written = pool.submit(
+                write_file, file, tensors, {"format": "pluribus"}, crash_while_writing
+            )
+        sums = [block_sums(as_bytes(a), BLOCK_BYTES, snap.checksum) for _, _, a in writes]
+        copy_sums = [block_sums(as_bytes(a), BLOCK_BYTES, snap.checksum) for _, _, a in copies]
+        if written is not None:
+            written.result()
+    chunks = {
+        key: Chunk(tuple(offsets), tuple(array.shape), name, key, tuple(s)).to_json()
+        for (key, offsets, array), s in zip(writes, sums, strict=True)
     }
+    copied = {
+        key: {"offsets": list(offsets), "sizes": list(array.shape), "checksums": s}
+        for (key, offsets, array), s in zip(copies, copy_sums, strict=True)
+    }
+    return chunks, copied
 
 
-def _metadata(reports: list[dict], world_size: int, checksum: str) -> Metadata:
-    """The coordinator's table of contents from every rank's report; ranks that disagree on a
-    key's shape or dtype, or chunks that do not tile a tensor, are an error."""
+def _metadata(
+    reports: list[dict], world_size: int, checksum: str, ranks: list[int] | None = None
+) -> Metadata:
+    """The coordinator's table of contents from every rank's report (``ranks``: their global
+    ranks, for errors); ranks that disagree on a key's shape or dtype, copies of a box that
+    differ, or chunks that do not tile a tensor, are an error."""
+    name = ranks if ranks is not None else list(range(len(reports)))
     first = reports[0]
     tensors: dict[str, TensorInfo] = {}
     for r, report in enumerate(reports):
@@ -148,36 +186,44 @@ def _metadata(reports: list[dict], world_size: int, checksum: str) -> Metadata:
             theirs = set(report["tensors"]) | set(report["values"])
             ours = set(first["tensors"]) | set(first["values"])
             raise CheckpointError(
-                f"ranks disagree on the state dict's keys: rank {r} has "
-                f"{sorted(theirs - ours)} that rank 0 lacks and lacks {sorted(ours - theirs)}; "
+                f"ranks disagree on the state dict's keys: rank {name[r]} has "
+                f"{sorted(theirs - ours)} that rank {name[0]} lacks and lacks "
+                f"{sorted(ours - theirs)}; "
                 "every rank must save the same keys"
             )
         for key, (shape, dtype, layout) in report["tensors"].items():
             info = tensors.setdefault(key, TensorInfo(tuple(shape), dtype, layout))
             if info.shape != tuple(shape) or info.dtype != dtype:
                 raise CheckpointError(
-                    f"ranks disagree on {key!r}: rank 0 saves {list(info.shape)} {info.dtype}, "
-                    f"rank {r} {shape} {dtype}"
+                    f"ranks disagree on {key!r}: rank {name[0]} saves {list(info.shape)} "
+                    f"{info.dtype}, rank {name[r]} {shape} {dtype}"
                 )
-    # A box written twice (the replicas of a DTensor on a mesh that is not the whole world) is
-    # kept once, when both copies hold the same bytes: different ones mean the ranks saved
-    # different values under one key, and keeping either would lose the other unnoticed.
-    kept: dict[tuple, tuple[int, Chunk]] = {}
+    # Every box that several ranks hold is written by one of them; the others send its
+    # checksums. Copies that differ mean the ranks saved different values under one key, and
+    # keeping either would lose the other unnoticed.
+    seen: dict[tuple, tuple[int, tuple]] = {}
+    written: set[tuple] = set()
     for r, report in enumerate(reports):
-        for key, chunk in report["chunks"].items():
-            c = Chunk.from_json(chunk)
+        held = [(key, Chunk.from_json(c), True) for key, c in report["chunks"].items()]
+        held += [
+            (key, Chunk.from_json({**c, "file": "", "name": key}), False)
+            for key, c in report["copies"].items()
+        ]
+        for key, c, writes in held:
             box = (key, c.offsets, c.sizes)
-            if box not in kept:
-                kept[box] = (r, c)
-                tensors[key].chunks.append(c)
-            elif kept[box][1].checksums != c.checksums:
+            if box not in seen:
+                seen[box] = (r, c.checksums)
+            elif seen[box][1] != c.checksums:
                 raise CheckpointError(
-                    f"ranks {kept[box][0]} and {r} save different values for the same piece of "
-                    f"{key!r} (offsets {list(c.offsets)}, sizes {list(c.sizes)}); the ranks "
-                    "holding it must hold the same values (replicas that drifted apart, or a "
-                    "DTensor on a sub-mesh whose ranks outside it hold another array under this "
-                    "key)"
+                    f"ranks {name[seen[box][0]]} and {name[r]} save different values for the "
+                    f"same piece of {key!r} (offsets {list(c.offsets)}, sizes {list(c.sizes)}); "
+                    "the ranks holding it must hold the same values (replicas that drifted "
+                    "apart, or a DTensor on a sub-mesh whose ranks outside it hold another "
+                    "array under this key)"
                 )
+            if writes and box not in written:
+                written.add(box)
+                tensors[key].chunks.append(c)
     for key, info in tensors.items():
         if not covers_exactly(info):
             raise CheckpointError(
@@ -224,7 +270,19 @@ def write_and_commit(
             os.mkdir(commit.temporary_dir(path, token))
         except OSError as e:
             error = f"cannot create {commit.temporary_dir(path, token)}: {e}"
-    agreed = _exchange(group, {"error": error, "token": token, "checksum": snap.checksum})
+    agreed = _exchange(
+        group,
+        {
+            "error": error,
+            "token": token,
+            "checksum": snap.checksum,
+            # the DTensor boxes another rank may hold too, and the bytes this rank writes anyway
+            "boxes": [
+                [k, list(o), list(a.shape), int(a.nbytes)] for k, o, a in snap.dtensor_pieces
+            ],
+            "load": sum(int(a.nbytes) for _, _, a in snap.pieces),
+        },
+    )
     tmp = commit.temporary_dir(path, agreed[coordinator]["token"])
     snap.checksum = agreed[coordinator]["checksum"]  # every rank sums as the coordinator does
     failed = _failures(agreed, group)
@@ -234,12 +292,18 @@ def write_and_commit(
         raise CheckpointError(
             f"rank {global_rank}: nothing was saved to {path}: " + "; ".join(failed)
         )
+    writer = assign_shared_pieces([a["boxes"] for a in agreed], [a["load"] for a in agreed])
+    writes, copies = list(snap.pieces), []
+    for piece in snap.dtensor_pieces:
+        key, offsets, array = piece
+        mine = writer[(key, tuple(offsets), tuple(array.shape))] == snap.rank
+        (writes if mine else copies).append(piece)
     report: dict[str, Any] = {"error": None, "tensors": snap.tensors, "values": snap.values}
     try:
-        report["chunks"] = _write_pieces(snap, tmp, global_rank)
+        report["chunks"], report["copies"] = _write_pieces(snap, writes, copies, tmp, global_rank)
     except Exception as e:  # every rank must reach the next exchange to hear of it
         report["error"] = f"writing {os.path.join(tmp, _rank_file(snap.rank))}: {e}"
-        report["chunks"] = {}
+        report["chunks"], report["copies"] = {}, {}
     reports = _exchange(group, report)
     outcome = None
     if is_coordinator:
@@ -247,7 +311,12 @@ def write_and_commit(
             failed = _failures(reports, group)
             if failed:
                 raise CheckpointError("; ".join(failed))
-            metadata = _metadata(reports, snap.world_size, agreed[coordinator]["checksum"])
+            metadata = _metadata(
+                reports,
+                snap.world_size,
+                agreed[coordinator]["checksum"],
+                group.ranks if group is not None else None,
+            )
             commit.crash_point("before-metadata", global_rank)
             with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
                 f.write(metadata.to_json())
@@ -269,6 +338,10 @@ def write_and_commit(
         outcome = dist.broadcast_object(outcome, src=group.ranks[coordinator], group=group)
     if outcome is not None:
         raise CheckpointError(f"rank {global_rank}: saving {path} failed: {outcome}")
+
+
+def _ranks(group) -> list[int]:
+    return list(group.ranks) if group is not None else []
 
 
 def _group_and_rank(process_group):
@@ -293,7 +366,7 @@ def save(
     before any rank returns (``CheckpointManager`` moves ``latest`` there)."""
     group, rank, world = _group_and_rank(process_group)
     wait_for_async(group)
-    snap = take_snapshot(state_dict, rank, world, copy=False)
+    snap = take_snapshot(state_dict, rank, world, False, _ranks(group))
     write_and_commit(snap, os.fspath(path), group, coordinator_rank, after_publish)
 
 
@@ -401,7 +474,7 @@ def async_save(
             "background collectives would share the group with the training loop's; save a "
             "sub-group with save(), or async_save on the whole world (no process_group)"
         )
-    snap = take_snapshot(state_dict, rank, world, copy=True)
+    snap = take_snapshot(state_dict, rank, world, True, _ranks(group))
     future = SaveFuture()
 
     def run() -> None:
