@@ -182,20 +182,21 @@ def test_a_deep_copy_of_a_torch_style_plan_keeps_its_own_sizes(world, tokens):
     assert run_ranks(_deep_copy_of_the_plan, world, args=(tokens,)) == [True] * world
 
 
-def _prepared_around_attention_parallel(tokens: int):
-    """PrepareModuleInput, AttentionParallel() and PrepareModuleOutput on one attention, applied
-    in that order: forward gathers, splits the heads and cuts its part of the sequence, and
-    backward undoes them in reverse (the heads' partial gradients summed before the slice)."""
+def _prepared_around_attention_parallel(tokens: int, input_first: bool):
+    """PrepareModuleInput, AttentionParallel() and PrepareModuleOutput on one attention (the
+    input move applied before or after the split): forward gathers, splits the heads and cuts
+    its part of the sequence, and backward undoes them in reverse (the heads' partial gradients
+    summed before the slice, whichever order the input move was applied in)."""
     mesh = init_device_mesh("cpu", (pb.get_world_size(),))
     rank, world = pb.get_rank(), pb.get_world_size()
     attention = nn.CausalSelfAttention(16, 4, dtype=np.float64, rng=1)
     reference = copy.deepcopy(attention)
-    parallelize_module(
-        attention,
-        mesh,
-        PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-    )
+    prepare = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    if input_first:
+        parallelize_module(attention, mesh, prepare)
     parallelize_module(attention, mesh, AttentionParallel())
+    if not input_first:
+        parallelize_module(attention, mesh, prepare)
     parallelize_module(
         attention,
         mesh,
@@ -218,9 +219,40 @@ def _prepared_around_attention_parallel(tokens: int):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world, tokens", [(2, 5), (4, 6)])
-def test_prepare_styles_around_another_style_on_one_module(world, tokens):
-    assert run_ranks(_prepared_around_attention_parallel, world, args=(tokens,)) == [True] * world
+@pytest.mark.parametrize("input_first", [True, False])
+@pytest.mark.parametrize("world, tokens", [(2, 5), (4, 6), (2, 4)])
+def test_prepare_styles_around_another_style_on_one_module(world, tokens, input_first):
+    assert (
+        run_ranks(_prepared_around_attention_parallel, world, args=(tokens, input_first))
+        == [True] * world
+    )
+
+
+def _input_move_after_colwise(tokens: int):
+    """PrepareModuleInput applied after ColwiseParallel on one Linear: its gradient move still
+    comes after the split's all-reduce of the partial input gradient."""
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    rank, world = pb.get_rank(), pb.get_world_size()
+    linear = nn.Linear(4, 6, dtype=np.float64, rng=0)
+    reference = copy.deepcopy(linear)
+    parallelize_module(linear, mesh, ColwiseParallel(output_layouts=Replicate()))
+    parallelize_module(
+        linear, mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    )
+    rng = np.random.default_rng(0)
+    x, g = rng.normal(size=(2, tokens, 4)), rng.normal(size=(2, tokens, 6))
+    y = linear.forward(piece(x, Shard(1), rank, world))
+    np.testing.assert_allclose(y, reference.forward(x), rtol=1e-12)
+    gx = linear.backward(g)
+    want = piece(reference.backward(g), Shard(1), rank, world)
+    np.testing.assert_allclose(gx, want, rtol=1e-10, atol=1e-12)
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tokens", [4, 5])
+def test_an_input_move_applied_after_the_split_is_still_outermost(tokens):
+    assert run_ranks(_input_move_after_colwise, 2, args=(tokens,)) == [True, True]
 
 
 # -- the moves, one by one ----------------------------------------------------------------------

@@ -135,8 +135,9 @@ class PrepareModuleInput(ParallelStyle):
 
     Each layout is a Placement, or a tuple with one entry per positional input (None in both
     for an input left alone). The module's backward gives its first input's gradient, or a
-    tuple with one per input. As in torch, the styles on one module see its inputs in the order
-    they were applied and backward undoes them in reverse: apply this one first.
+    tuple with one per input. Its moves are the outermost of the module's, in whatever order
+    the styles were applied: the inputs move before any other style's forward hook, and their
+    gradients after any other style's backward hook (a split's sum of partial gradients).
 
     Keyword inputs cannot be moved: pluribus.nn's forward hooks see the positional ones only.
     ``use_local_output`` is True only (torch's default is False, handing the module DTensors).
@@ -195,8 +196,8 @@ class PrepareModuleInput(ParallelStyle):
             firsts = (grad,) + (None,) * (len(pairs) - 1)  # the first input's only
             return (_backward(firsts, pairs, shapes, mesh)[0],)
 
-        module.register_forward_pre_hook(prepare)
-        module.register_full_backward_hook(restore, prepend=True)
+        module.register_forward_pre_hook(prepare, prepend=True)
+        module.register_full_backward_hook(restore)
         return module
 
 
