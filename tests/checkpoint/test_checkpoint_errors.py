@@ -267,3 +267,49 @@ def test_plain_arrays_that_differ_between_ranks_are_saved_from_one_rank(tmp_path
     assert run_ranks(_save_per_rank_statistics, 2, args=(path,)) == [0, 1]
     saved = checkpoint.read_whole(path)["running_mean"]
     assert saved.tolist() in ([0.0] * 3, [1.0] * 3)
+
+
+# -- a sub-group names its ranks by their global rank ----------------------------------------
+
+
+def _save_bad_dtype_in_sub_group(path: str):
+    sub = pb.new_group([1, 2, 3])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    state = {"w": distribute_tensor(np.ones((4, 4)), mesh["tp"], [Shard(0)])}
+    bad = pb.get_rank() == 3  # group rank 2
+    state["x"] = np.zeros(2, np.complex64 if bad else np.float32)
+    if pb.get_rank() == 0:
+        return None
+    try:
+        checkpoint.save(state, path, process_group=sub)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_bad_entry_in_a_sub_group_save_names_the_global_rank(tmp_path):
+    errors = run_ranks(_save_bad_dtype_in_sub_group, 4, args=(str(tmp_path / "c"),))
+    for error in errors[1:]:
+        assert "rank 3: state dict entry 'x' has dtype complex64" in error, error
+        assert "rank 2: state dict entry" not in error, error
+
+
+def _load_missing_key_in_sub_group(path: str):
+    sub = pb.new_group([1, 2, 3])
+    if pb.get_rank() == 0:
+        return None
+    state = {"w": np.arange(4.0)}
+    checkpoint.save(state, path, process_group=sub)
+    if pb.get_rank() == 3:  # group rank 2
+        state["extra"] = np.zeros(2)
+    try:
+        checkpoint.load(state, path, process_group=sub)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_bad_state_dict_in_a_sub_group_load_names_the_global_rank(tmp_path):
+    errors = run_ranks(_load_missing_key_in_sub_group, 4, args=(str(tmp_path / "c"),))
+    for error in errors[1:]:
+        assert "rank 3: the state dict and the checkpoint hold different keys" in error, error

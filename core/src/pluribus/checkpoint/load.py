@@ -87,16 +87,23 @@ def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
 
 
 def plan_load(
-    state_dict: dict, meta: Metadata, rank: int, world_size: int, strict: bool
+    state_dict: dict,
+    meta: Metadata,
+    rank: int,
+    world_size: int,
+    strict: bool,
+    global_rank: int | None = None,
 ) -> tuple[list[Destination], list[tuple[Leaf, Any]]]:
-    """This rank's reads and the plain values it takes, or ``ValueError`` for bad input."""
-    leaves = flatten(state_dict, rank)
+    """This rank's reads and the plain values it takes, or ``ValueError`` for bad input.
+    ``rank`` is the loading group's; errors name ``global_rank`` (the same by default)."""
+    who = rank if global_rank is None else global_rank
+    leaves = flatten(state_dict, who)
     keys = {leaf.key for leaf in leaves}
     missing = sorted(keys - meta.keys)
     unexpected = sorted(meta.keys - keys)
     if strict and (missing or unexpected):
         raise ValueError(
-            f"rank {rank}: the state dict and the checkpoint hold different keys: missing from "
+            f"rank {who}: the state dict and the checkpoint hold different keys: missing from "
             f"the checkpoint {missing}, in the checkpoint but not the state dict {unexpected}; "
             "pass strict=False to load the keys they share"
         )
@@ -111,21 +118,21 @@ def plan_load(
                 per_rank = meta.rank_values[leaf.key]
                 if len(per_rank) != world_size:
                     raise ValueError(
-                        f"rank {rank}: {leaf.key!r} was saved with a different value on each of "
+                        f"rank {who}: {leaf.key!r} was saved with a different value on each of "
                         f"{len(per_rank)} ranks and cannot be shared among {world_size}; "
                         "load it with the saving world size or keep it out of the state dict"
                     )
                 values.append((leaf, per_rank[rank]))
             else:
                 raise ValueError(
-                    f"rank {rank}: {leaf.key!r} is a plain value in the state dict but an array "
+                    f"rank {who}: {leaf.key!r} is a plain value in the state dict but an array "
                     "in the checkpoint; pass an array of its saved shape"
                 )
         elif leaf.key in meta.tensors:
-            destinations.append(_destination(leaf, meta.tensors[leaf.key], rank))
+            destinations.append(_destination(leaf, meta.tensors[leaf.key], who))
         else:
             raise ValueError(
-                f"rank {rank}: {leaf.key!r} is an array in the state dict but the checkpoint "
+                f"rank {who}: {leaf.key!r} is an array in the state dict but the checkpoint "
                 f"holds a plain value for it ({meta.values.get(leaf.key)!r})"
             )
     return destinations, values
@@ -286,7 +293,7 @@ def load(
     try:
         meta = read_metadata(path)
         world = group.size if group is not None else 1
-        plan = plan_load(state_dict, meta, rank, world, strict)
+        plan = plan_load(state_dict, meta, rank, world, strict, global_rank)
     except (CheckpointError, TypeError, ValueError) as e:
         error = f"rank {global_rank}: {e}" if not str(e).startswith("rank ") else str(e)
     _agree(group, error, f"loading {path}")

@@ -86,8 +86,9 @@ def take_snapshot(
     ``snapshot.error`` so that every rank can raise it together."""
     snap = Snapshot(rank, world_size, checksum=preferred())
     savers, mesh_ranks = set(saving), {}
+    who = saving[rank] if saving else rank  # the global rank, for messages
     try:
-        leaves = flatten(state_dict, rank)
+        leaves = flatten(state_dict, who)
         whole = [(leaf.key, int(leaf.value.nbytes)) for leaf in leaves if leaf.kind == ARRAY]
         owners = assign_replicated(whole, world_size)
         for leaf in leaves:
@@ -98,7 +99,7 @@ def take_snapshot(
             dtype = np.dtype(local.dtype)
             if dtype.name not in DTYPES:
                 raise TypeError(
-                    f"rank {rank}: state dict entry {leaf.key!r} has dtype {dtype}, which "
+                    f"rank {who}: state dict entry {leaf.key!r} has dtype {dtype}, which "
                     f"safetensors cannot hold; use one of {sorted(DTYPES)}"
                 )
             shape = list(leaf.value.shape)
@@ -106,7 +107,7 @@ def take_snapshot(
             if leaf.kind == DTENSOR:
                 if any(isinstance(p, Partial) for p in leaf.value.placements):
                     raise ValueError(
-                        f"rank {rank}: state dict entry {leaf.key!r} is a DTensor with "
+                        f"rank {who}: state dict entry {leaf.key!r} is a DTensor with "
                         f"placements {list(leaf.value.placements)}; a Partial tensor is not a "
                         "value yet: redistribute it to Replicate (or Shard) before saving"
                     )
