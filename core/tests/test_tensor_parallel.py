@@ -12,7 +12,7 @@ import pytest
 from dtensor_helpers import CountingPlugin
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pluribus import nn
+from pluribus import checkpoint, nn
 from pluribus.dtensor import Partial, Replicate, Shard, init_device_mesh, split_sizes
 from pluribus.parallel import (
     AttentionParallel,
@@ -23,6 +23,7 @@ from pluribus.parallel import (
     full_parameter,
     fully_shard,
     get_model_state_dict,
+    get_optimizer_state_dict,
     parallelize_module,
     transformer_plan,
 )
@@ -234,9 +235,15 @@ def _clip_whole(parameters, max_norm: float, norm_type: float) -> float:
 
 
 def _train_gpt(
-    dp: int, tp: int, steps: int, clip: tuple[float, float] | None = None, fsdp: bool = False
+    dp: int,
+    tp: int,
+    steps: int,
+    clip: tuple[float, float] | None = None,
+    fsdp: bool = False,
+    path: str = "",
 ):
-    """A GPT trained on a dp x tp mesh (DDP or, with ``fsdp``, FSDP over dp), or alone."""
+    """A GPT trained on a dp x tp mesh (DDP or, with ``fsdp``, FSDP over dp, its whole
+    parameters read back from a checkpoint at ``path``), or alone."""
     config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
     model = nn.GPT(config, dtype=np.float64, rng=0)
     shapes = {n: p.data.shape for n, p in model.named_parameters()}
@@ -272,9 +279,10 @@ def _train_gpt(
         opt.zero_grad()
         losses.append(float(loss))
     del rank
-    if fsdp:  # the state dict's DTensors, gathered whole (the fused q, k, v blocks merged)
-        state = get_model_state_dict(wrapped)
-        params = {n: state[n].full_tensor().reshape(shapes[n]) for n in shapes}
+    if fsdp:  # the state dict's pieces saved, read back whole (the q, k, v blocks merged)
+        checkpoint.save(get_model_state_dict(wrapped), path)
+        state = checkpoint.read_whole(path)
+        params = {n: state[n].reshape(shapes[n]) for n in shapes}
     else:
         params = {n: full_parameter(p) for n, p in model.named_parameters()}
     return (losses, params, norms) if clip is not None else (losses, params)
@@ -283,11 +291,12 @@ def _train_gpt(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp-tp", "fsdp-tp"])
 @pytest.mark.parametrize("norm_type", [2.0, np.inf])
-def test_gradient_clipping_of_a_split_model_equals_one_process(norm_type, fsdp):
+def test_gradient_clipping_of_a_split_model_equals_one_process(norm_type, fsdp, tmp_path):
     clip = (0.05, norm_type)
     want_losses, want_params, want_norms = _train_gpt(1, 1, 3, clip)
     assert min(want_norms) > 0.05  # every step clips
-    for _, params, norms in run_ranks(_train_gpt, 4, args=(2, 2, 3, clip, fsdp)):
+    args = (2, 2, 3, clip, fsdp, str(tmp_path / "c"))
+    for _, params, norms in run_ranks(_train_gpt, 4, args=args):
         np.testing.assert_allclose(norms, want_norms, rtol=1e-9)
         for name, value in params.items():
             np.testing.assert_allclose(value, want_params[name], rtol=1e-7, atol=1e-9, err_msg=name)
@@ -340,9 +349,9 @@ def test_gradient_clipping_refuses_fsdp_parameters():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp-tp", "fsdp-tp"])
-def test_dp_by_tp_training_equals_one_process(fsdp):
+def test_dp_by_tp_training_equals_one_process(fsdp, tmp_path):
     want_losses, want_params = _train_gpt(1, 1, 4)
-    results = run_ranks(_train_gpt, 4, args=(2, 2, 4, None, fsdp))
+    results = run_ranks(_train_gpt, 4, args=(2, 2, 4, None, fsdp, str(tmp_path / "c")))
     for losses, params in results:
         # each dp rank sees half the batch: the mean of the two halves' losses is the whole's
         assert len(losses) == 4
@@ -760,9 +769,12 @@ def test_narrow_ids_reloaded_fused_weights_and_refusals_that_leave_the_module_wh
         assert untouched
 
 
-def _fsdp_tp_losses(sequence_parallel: bool, vocab_parallel: bool, steps: int):
+def _fsdp_tp_losses(
+    sequence_parallel: bool, vocab_parallel: bool, steps: int, counting: CountingPlugin = None
+):
     """Per-rank losses of a GPT split by the plan over tp and fully sharded over dp (2 x 2),
-    or alone on a 1-rank world."""
+    or alone on a 1-rank world; with ``counting``, the collectives its model and optimizer
+    state dicts issued after training instead, and the kinds of their leaves."""
     from pluribus.parallel import VocabParallelCrossEntropyLoss
 
     config = nn.GPTConfig(vocab_size=32, n_layer=2, n_head=4, n_embd=32, block_size=8)
@@ -790,7 +802,24 @@ def _fsdp_tp_losses(sequence_parallel: bool, vocab_parallel: bool, steps: int):
         runner.backward(loss_fn.backward().reshape(logits.shape))
         opt.step()
         opt.zero_grad()
-    return losses
+    if counting is None:
+        return losses
+    runner.forward(data[0, :1, :-1])  # the root's parameters gathered, as after a forward
+    mark = counting.mark(pb.get_rank())
+    model_state = get_model_state_dict(runner)
+    optim_state = get_optimizer_state_dict(runner, opt)
+    kinds = {type(model_state["blocks.0.attn.qkv.weight"]).__name__}
+    kinds |= {type(v).__name__ for v in optim_state["state"]["blocks.1.mlp.2.weight"].values()}
+    return counting.since(pb.get_rank(), mark), sorted(kinds)
+
+
+@pytest.mark.timeout(120)
+def test_the_state_dicts_of_fsdp_of_a_split_gpt_do_not_communicate(counting):
+    """FSDP's rows of each tensor-parallel piece go into the state dicts as they are (Pieces),
+    not gathered over the data-parallel mesh into the whole piece."""
+    for issued, kinds in run_ranks(_fsdp_tp_losses, 4, args=(False, False, 2, counting)):
+        assert issued == []
+        assert kinds == ["Pieces", "int"]
 
 
 @pytest.mark.timeout(120)

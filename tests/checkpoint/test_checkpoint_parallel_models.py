@@ -23,6 +23,7 @@ from pluribus.parallel import (
     set_optimizer_state_dict,
     transformer_plan,
 )
+from pluribus.parallel.state_dict import _to_state
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,10 +64,16 @@ def _whole_parameters(model) -> dict:
         model = model.module
     if any(getattr(p, "tp_layout", None) is not None for p in model.parameters()) and hasattr(
         model, "fsdp_units"
-    ):  # FSDP of a split model: the state dict's DTensors, whole
-        state = get_model_state_dict(model)
+    ):  # FSDP of a split model: each unit's pieces gathered, then the split undone
         shapes = {n: p.data.shape for n, p in _model().named_parameters()}
-        return {n: np.asarray(state[n].full_tensor()).reshape(shapes[n]) for n in shapes}
+        names, whole = {id(p): n for n, p in model.named_parameters()}, {}
+        for unit in model.fsdp_units():
+            fulls = unit.gather_full(unit.shard_views, unit.dtype)
+            for piece, full in zip(unit.pieces, fulls, strict=True):
+                value, name = _to_state(piece.param, full), names[id(piece.param)]
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                whole[name] = np.asarray(value).reshape(shapes[name])
+        return whole
     if hasattr(model, "full_state_dict"):  # FSDP: whole arrays on rank 0, broadcast
         return pb.broadcast_object({k: np.asarray(v) for k, v in model.full_state_dict().items()})
     return {name: full_parameter(p) for name, p in model.named_parameters()}
@@ -101,6 +108,10 @@ def _train(how: str, dp: int, tp: int, steps: range, path: str | None, load: str
         }
         qkv = state["model"]["blocks.0.attn.qkv.weight"]
         saved = (type(qkv).__name__, tuple(qkv.shape), getattr(qkv, "placements", None))
+        if type(qkv).__name__ == "Pieces":  # the boxes, and the optimizer state's alike
+            boxes = [(o, a.shape) for o, a in qkv.pieces]
+            moments = state["optim"]["state"]["blocks.0.attn.qkv.weight"]["exp_avg"]
+            saved = (*saved[:2], boxes, [(o, a.shape) for o, a in moments.pieces] == boxes)
         checkpoint.save(state, path)
     return _whole_parameters(runner), saved
 
@@ -121,10 +132,23 @@ def two_steps(request, tmp_path_factory):
     return request.param, path, results
 
 
-def test_a_split_parameter_is_saved_as_a_dtensor_with_its_blocks_first(two_steps):
+def _fsdp_rows_of_the_qkv_piece(rank: int) -> list:
+    """FSDP's half (24 rows) of this rank's (48, 32) piece of the (96, 32) projection: 16 rows
+    of one block and 8 of the next, in the (3, 32, 32) form, at this tp rank's columns."""
+    dp, tp = divmod(rank, 2)
+    first, second = ((0, 0), (1, 0)) if dp == 0 else ((1, 8), (2, 0))
+    sizes = ((1, 16, 32), (1, 8, 32)) if dp == 0 else ((1, 8, 32), (1, 16, 32))
+    return [((b, row + 16 * tp, 0), s) for (b, row), s in zip((first, second), sizes, strict=True)]
+
+
+def test_a_split_parameter_is_saved_with_its_blocks_first(two_steps):
+    """Split: a DTensor of the blocked shape, this rank's rows of each block; under FSDP too,
+    FSDP's rows of that piece as boxes of the blocked shape, nothing gathered."""
     saver, _, results = two_steps
-    for _, saved in results:
-        if saver != "saved-alone":  # split: blocks first, this rank's rows of each
+    for rank, (_, saved) in enumerate(results):
+        if saver == "saved-fsdp2-tp2":
+            assert saved == ("Pieces", (3, 32, 32), _fsdp_rows_of_the_qkv_piece(rank), True)
+        elif saver != "saved-alone":
             assert saved == ("DTensor", (3, 32, 32), (Shard(1),))
         else:
             assert saved == ("ndarray", (96, 32), None)
@@ -132,8 +156,16 @@ def test_a_split_parameter_is_saved_as_a_dtensor_with_its_blocks_first(two_steps
 
 @pytest.mark.parametrize(
     "how, dp, tp",
-    [("tp", 1, 4), ("tp", 2, 2), ("ddp", 2, 1), ("none", 1, 1), ("fsdp", 3, 1), ("fsdp-tp", 2, 2)],
-    ids=["tp4", "dp2-tp2", "ddp2", "one-process", "fsdp3", "fsdp2-tp2"],
+    [
+        ("tp", 1, 4),
+        ("tp", 1, 2),
+        ("tp", 2, 2),
+        ("ddp", 2, 1),
+        ("none", 1, 1),
+        ("fsdp", 3, 1),
+        ("fsdp-tp", 2, 2),
+    ],
+    ids=["tp4", "tp2", "dp2-tp2", "ddp2", "one-process", "fsdp3", "fsdp2-tp2"],
 )
 def test_resumed_in_another_layout_equals_one_process(two_steps, how, dp, tp):
     _, path, _ = two_steps
@@ -145,6 +177,21 @@ def test_resumed_in_another_layout_equals_one_process(two_steps, how, dp, tp):
         assert set(params) == set(want)
         for name, value in params.items():
             np.testing.assert_allclose(value, want[name], rtol=1e-7, atol=1e-9, err_msg=name)
+
+
+def test_every_layout_saves_the_same_parameters_and_optimizer_state(two_steps, tmp_path):
+    """Read back whole, a checkpoint of the 2-D or the tp model's pieces holds what one
+    process saves, the optimizer's moments included."""
+    _, path, _ = two_steps
+    alone = str(tmp_path / "alone")
+    run_ranks(_train, 1, args=("none", 1, 1, range(2), alone, None))
+    got, want = checkpoint.read_whole(path), checkpoint.read_whole(alone)
+    assert set(got) == set(want) and any(k.endswith("exp_avg_sq") for k in got)
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_allclose(
+                got[key].reshape(value.shape), value, rtol=1e-7, atol=1e-9, err_msg=key
+            )
 
 
 def _train_alone(steps: range) -> dict:
@@ -316,3 +363,33 @@ def test_a_vocab_parallel_gpt_saves_its_rows_and_loads_whole(tmp_path):
     set_model_state_dict(model, state)
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(p.data, want[name], err_msg=name)
+
+
+def _pieces_refused():
+    """Pieces that are not this rank's FSDP rows, and Pieces given to a model that is not
+    FSDP of a split one, are refused naming the key and what to pass."""
+    name = "blocks.0.attn.qkv.weight"
+    runner, _ = _spread(_model(), "fsdp-tp", 2, 2)
+    state = get_model_state_dict(runner)
+    first = state[name].pieces[:1]  # one of this rank's two boxes
+    errors = []
+    for model, value in (
+        (runner, checkpoint.Pieces((3, 32, 32), first)),
+        (_model(), state[name]),
+    ):
+        try:
+            set_model_state_dict(model, {**get_model_state_dict(model), name: value})
+        except ValueError as e:
+            errors.append(str(e))
+    return errors, [(o, a.shape) for o, a in state[name].pieces]
+
+
+def test_pieces_of_another_layout_are_refused():
+    for rank, (errors, boxes) in enumerate(run_ranks(_pieces_refused, 4)):
+        mismatch, elsewhere = errors
+        assert mismatch.startswith(f"rank {rank}: 'blocks.0.attn.qkv.weight' is Pieces of")
+        assert f"this rank's FSDP rows of its tensor-parallel piece are the boxes {boxes}" in (
+            mismatch
+        )
+        assert elsewhere.startswith(f"rank {rank}: 'blocks.0.attn.qkv.weight' is a checkpoint")
+        assert "only a split parameter under FSDP takes" in elsewhere

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pluribus import checkpoint
-from pluribus.checkpoint.planning import regrouped
 from pluribus.dtensor import Shard, distribute_tensor, init_device_mesh
+from pluribus.dtensor.boxes import regrouped
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,6 +6,7 @@ into place, so a checkpoint is complete or absent. Loading computes each rank's 
 metadata alone and verifies what it reads. Nothing is pickled. See ``docs/checkpoint.md``.
 """
 
+from ..dtensor.boxes import Pieces
 from .consolidate import consolidate, read_whole
 from .errors import CheckpointError
 from .load import load
@@ -17,6 +18,7 @@ __all__ = [
     "VERSION",
     "CheckpointError",
     "CheckpointManager",
+    "Pieces",
     "SaveFuture",
     "async_save",
     "consolidate",

@@ -21,7 +21,7 @@ def read_tensor(path: str, meta: Metadata, key: str, files: DataFiles, verify: b
     info = meta.tensors[key]
     full = np.empty(info.shape, numpy_dtype(info.dtype))
     box = ((0,) * len(info.shape), info.shape)
-    read_into(Destination(key, info, full, [(full, plan_reads(info, box))]), files, meta, verify)
+    read_into(Destination(key, info, [(full, plan_reads(info, box))]), files, meta, verify)
     return full
 
 

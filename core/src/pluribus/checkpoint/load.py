@@ -13,36 +13,39 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import distributed as dist
 from ..dtensor import Partial
+from ..dtensor.boxes import Box, dtensor_box, regrouped
 from . import commit
 from .checksums import aligned, first_bad_block
 from .errors import CheckpointError
 from .metadata import Metadata, TensorInfo, read_metadata
-from .planning import Read, dtensor_box, plan_reads, regrouped
+from .planning import Read, plan_reads
 from .safetensors_io import Entry, numpy_dtype, read_header
-from .state import DTENSOR, VALUE, Leaf, flatten, is_cupy, restore_value
+from .state import DTENSOR, PIECES, VALUE, Leaf, flatten, is_cupy, restore_value
 
 
 @dataclass
 class Destination:
-    """Where a key's bytes go on this rank: a host array (in ``parts``: views of it, each with
-    the reads that fill it), then (for cupy pieces and numpy scalars) where that array is put
-    afterwards."""
+    """Where a key's bytes go on this rank: host arrays (in ``parts``: views of them, each
+    with the reads that fill it), then (for cupy pieces and numpy scalars) what puts each
+    host array where it belongs afterwards."""
 
     key: str
     info: TensorInfo
-    host: np.ndarray
     parts: list[tuple[np.ndarray, list[Read]]]
-    finish: Any = None
+    finish: list[Callable[[], None]] = field(default_factory=list)
 
 
-def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
+def _boxes(leaf: Leaf, rank: int) -> tuple[tuple[int, ...], list[tuple[Any, Box]]]:
+    """The global shape of ``leaf`` and the arrays this rank fills, each with its box: a
+    DTensor's piece, a whole array, or each box of a :class:`~pluribus.dtensor.boxes.Pieces`."""
     value = leaf.value
     if leaf.kind == DTENSOR:
         if any(isinstance(p, Partial) for p in value.placements):
@@ -51,39 +54,48 @@ def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
                 f"{list(value.placements)}; a Partial tensor holds terms, not the value, so a "
                 "load cannot fill it: load into a Replicate (or Shard) DTensor"
             )
-        local, box, shape = value.local_to_write(), dtensor_box(value), value.shape
-    else:
-        local, shape = value, tuple(np.shape(value))
-        box = ((0,) * len(shape), shape)
-    dtype = np.dtype(local.dtype)
-    shape = tuple(shape)
-    pieces = None if shape == info.shape else regrouped(box, shape, info.shape)
-    if (shape != info.shape and pieces is None) or dtype.name != info.dtype:
+        return tuple(value.shape), [(value.local_to_write(), dtensor_box(value))]
+    if leaf.kind == PIECES:
+        return value.shape, [(a, (offsets, tuple(a.shape))) for offsets, a in value.pieces]
+    shape = tuple(np.shape(value))
+    return shape, [(value, ((0,) * len(shape), shape))]
+
+
+def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
+    shape, boxes = _boxes(leaf, rank)
+    dtype = np.dtype(leaf.value.dtype)
+    grouped, empty = shape != info.shape, ((0,) * len(shape), (0,) * len(shape))
+    if (grouped and regrouped(empty, shape, info.shape) is None) or dtype.name != info.dtype:
         raise ValueError(
             f"rank {rank}: {leaf.key!r} is saved as {list(info.shape)} {info.dtype}, but the "
             f"state dict holds {list(shape)} {dtype.name}; load into an array of the saved "
             "global shape (or that shape with its first two dimensions merged, or the first "
             "split in equal blocks) and dtype, in any layout"
         )
-    finish = None
-    if is_cupy(local):
-        host = np.empty(local.shape, dtype)
-        finish = lambda: local.set(host)  # noqa: E731
-    elif isinstance(local, np.generic):
-        host = np.empty((), dtype)
-        finish = lambda: leaf.replace(host[()])  # noqa: E731
-    else:
-        host = local
-        if not host.flags.writeable:
-            raise ValueError(
-                f"rank {rank}: {leaf.key!r} is a read-only array; load writes in place"
-            )
-    if pieces is None:
-        return Destination(leaf.key, info, host, [(host, plan_reads(info, box))], finish)
-    # each view only adds a leading dimension of 1 (or takes one block): views, whatever the
-    # host array's strides
-    parts = [(host[index].reshape(part[1]), plan_reads(info, part)) for index, part in pieces]
-    return Destination(leaf.key, info, host, parts, finish)
+    dest = Destination(leaf.key, info, [])
+    for local, box in boxes:
+        if is_cupy(local):
+            host = np.empty(local.shape, dtype)
+            dest.finish.append(lambda local=local, host=host: local.set(host))
+        elif isinstance(local, np.generic):
+            host = np.empty((), dtype)
+            dest.finish.append(lambda host=host: leaf.replace(host[()]))
+        else:
+            host = local
+            if not host.flags.writeable:
+                raise ValueError(
+                    f"rank {rank}: {leaf.key!r} is a read-only array; load writes in place"
+                )
+        if not grouped:
+            dest.parts.append((host, plan_reads(info, box)))
+            continue
+        # each view only adds a leading dimension of 1 (or takes one block): views, whatever
+        # the host array's strides
+        dest.parts += [
+            (host[index].reshape(part[1]), plan_reads(info, part))
+            for index, part in regrouped(box, shape, info.shape)
+        ]
+    return dest
 
 
 def plan_load(
@@ -308,7 +320,7 @@ def load(
         files.close()
     _agree(group, error, f"loading {path}")
     for dest in destinations:
-        if dest.finish is not None:
-            dest.finish()
+        for finish in dest.finish:
+            finish()
     for leaf, value in values:
         leaf.replace(restore_value(leaf.value, value))

@@ -8,8 +8,9 @@ Writers are decided on one path, in :func:`.save.take_snapshot` and
   is replicated along the mesh's Replicate dimensions, by one of those replicas
   (:func:`writes_dtensor_piece`; the others do not even copy it). FSDP's pieces end here;
 - the pieces left, which saving ranks off their mesh may hold too (a tensor-parallel piece on
-  ``mesh["tp"]`` under data parallelism), travel as boxes in the all-gather that agrees on the
-  save's directory anyway, and each box several ranks hold is written by one of them
+  ``mesh["tp"]`` under data parallelism), and every box of a
+  :class:`~pluribus.dtensor.boxes.Pieces`, travel as boxes in the all-gather that agrees on
+  the save's directory anyway, and each box several ranks hold is written by one of them
   (:func:`assign_shared_pieces`).
 
 Each rank computes its reads at load from what it holds and the metadata alone. Neither adds a
@@ -26,18 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..dtensor import DTensor, Replicate
+from ..dtensor.boxes import Box, Pieces
 from .metadata import Chunk, TensorInfo
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
-
-
-def dtensor_box(tensor: DTensor) -> Box:
-    """The box of the global tensor this rank's piece covers."""
-    slices = tensor.layout.local_slices(tensor.device_mesh.coordinate)
-    shape = tensor.shape
-    offsets = tuple(s.indices(n)[0] for s, n in zip(slices, shape, strict=True))
-    sizes = tuple(len(range(*s.indices(n))) for s, n in zip(slices, shape, strict=True))
-    return offsets, sizes
 
 
 def writes_dtensor_piece(key: str, tensor: DTensor) -> bool:
@@ -178,36 +169,10 @@ def plan_reads(info: TensorInfo, box: Box) -> list[Read]:
     return reads
 
 
-def regrouped(box: Box, shape: tuple[int, ...], saved: tuple[int, ...]) -> list | None:
-    """Where ``box`` of a tensor of ``shape`` lies in the same tensor saved as ``saved``, when
-    the two differ only in the leading dimension split into equal blocks: ``(n, ...)`` and
-    ``(k, n / k, ...)`` (a fused q, k, v projection whole, or with its blocks first as a
-    tensor-parallel checkpoint holds it). A list of ``(index, box in saved)``: ``index`` picks
-    from the destination piece the part that fills the saved box (reshaped to its sizes); None
-    when the shapes are not such a pair."""
-    (offsets, sizes), parts = box, []
-    if not shape or not saved:  # a 0-d tensor has no leading dimension to split
-        return None
-    if len(saved) == len(shape) + 1 and saved[2:] == shape[1:] and saved[0] * saved[1] == shape[0]:
-        m = saved[1]  # rows per block
-        first, end = offsets[0], offsets[0] + sizes[0]
-        blocks = range(first // m, -(-end // m)) if m and sizes[0] else range(0)  # overlapped
-        for b in blocks:
-            lo, hi = max(first, b * m), min(end, (b + 1) * m)
-            index = (slice(lo - first, hi - first),)
-            parts.append((index, ((b, lo - b * m, *offsets[1:]), (1, hi - lo, *sizes[1:]))))
-        return parts
-    if len(shape) == len(saved) + 1 and shape[2:] == saved[1:] and shape[0] * shape[1] == saved[0]:
-        m = shape[1]
-        for b in range(offsets[0], offsets[0] + sizes[0]):
-            start = b * m + offsets[1]
-            parts.append(((b - offsets[0],), ((start, *offsets[2:]), sizes[1:])))
-        return parts
-    return None
-
-
 def describe_layout(value: Any) -> str:
     """How a tensor was held when saved, for ``inspect``."""
     if isinstance(value, DTensor):
         return f"DTensor mesh {list(value.device_mesh.shape)} {list(value.placements)}"
+    if isinstance(value, Pieces):
+        return f"Pieces: {value.layout}" if value.layout else "Pieces: boxes per rank"
     return "whole on every rank"

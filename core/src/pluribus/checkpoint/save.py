@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import distributed as dist
 from ..dtensor import Partial
+from ..dtensor.boxes import dtensor_box
 from . import commit
 from .checksums import block_sums, preferred
 from .errors import CheckpointError
@@ -40,11 +41,10 @@ from .planning import (
     assign_shared_pieces,
     covers_exactly,
     describe_layout,
-    dtensor_box,
     writes_locally,
 )
 from .safetensors_io import DTYPES, as_bytes, write_file
-from .state import ARRAY, DTENSOR, VALUE, flatten, is_cupy
+from .state import ARRAY, DTENSOR, PIECES, VALUE, flatten, is_cupy
 
 
 @dataclass
@@ -56,8 +56,9 @@ class Snapshot:
     #: (key, offsets, host array) of each piece this rank writes: its whole arrays, and its
     #: DTensor pieces that no other rank can hold
     pieces: list[tuple[str, tuple[int, ...], np.ndarray]] = field(default_factory=list)
-    #: the same of each DTensor piece that a rank off the DTensor's mesh may hold too: the
-    #: holders agree on its writer in :func:`write_and_commit`
+    #: the same of each DTensor piece that a rank off the DTensor's mesh may hold too, and of
+    #: each box of a :class:`~pluribus.dtensor.boxes.Pieces`: the holders agree on its writer in
+    #: :func:`write_and_commit`
     dtensor_pieces: list[tuple[str, tuple[int, ...], np.ndarray]] = field(default_factory=list)
     #: key -> [global shape, dtype name, saved layout]
     tensors: dict[str, list] = field(default_factory=dict)
@@ -95,36 +96,42 @@ def take_snapshot(
             if leaf.kind == VALUE:
                 snap.values[leaf.key] = leaf.value
                 continue
-            local = leaf.value.to_local() if leaf.kind == DTENSOR else leaf.value
-            dtype = np.dtype(local.dtype)
+            value = leaf.value
+            dtype = np.dtype(value.dtype)
             if dtype.name not in DTYPES:
                 raise TypeError(
                     f"rank {who}: state dict entry {leaf.key!r} has dtype {dtype}, which "
                     f"safetensors cannot hold; use one of {sorted(DTYPES)}"
                 )
-            shape = list(leaf.value.shape)
-            snap.tensors[leaf.key] = [shape, dtype.name, describe_layout(leaf.value)]
-            if leaf.kind == DTENSOR:
-                if any(isinstance(p, Partial) for p in leaf.value.placements):
+            shape = list(value.shape)
+            snap.tensors[leaf.key] = [shape, dtype.name, describe_layout(value)]
+            if leaf.kind == PIECES:  # boxes other ranks may hold too, as a DTensor's below
+                snap.dtensor_pieces += [
+                    (leaf.key, offsets, _host(array, copy))
+                    for offsets, array in value.pieces
+                    if array.size > 0
+                ]
+            elif leaf.kind == DTENSOR:
+                if any(isinstance(p, Partial) for p in value.placements):
                     raise ValueError(
                         f"rank {who}: state dict entry {leaf.key!r} is a DTensor with "
-                        f"placements {list(leaf.value.placements)}; a Partial tensor is not a "
+                        f"placements {list(value.placements)}; a Partial tensor is not a "
                         "value yet: redistribute it to Replicate (or Shard) before saving"
                     )
-                offsets, sizes = dtensor_box(leaf.value)
+                offsets, sizes = dtensor_box(value)
                 if math.prod(sizes) == 0:
                     continue
-                mesh = leaf.value.device_mesh
+                local, mesh = value.to_local(), value.device_mesh
                 if id(mesh) not in mesh_ranks:  # the state dict keeps its meshes alive
                     mesh_ranks[id(mesh)] = set(mesh.mesh.ravel().tolist())
-                writes = writes_locally(leaf.key, leaf.value, mesh_ranks[id(mesh)], savers)
+                writes = writes_locally(leaf.key, value, mesh_ranks[id(mesh)], savers)
                 if writes is not None:  # decided here: written or left to a replica on the mesh
                     if writes:
                         snap.pieces.append((leaf.key, offsets, _host(local, copy)))
                 else:  # the holders agree on a writer in write_and_commit
                     snap.dtensor_pieces.append((leaf.key, offsets, _host(local, copy)))
-            elif owners[leaf.key] == rank and local.size > 0:
-                snap.pieces.append((leaf.key, (0,) * len(shape), _host(local, copy)))
+            elif owners[leaf.key] == rank and value.size > 0:
+                snap.pieces.append((leaf.key, (0,) * len(shape), _host(value, copy)))
     except (TypeError, ValueError) as e:
         snap.error = str(e)
     return snap
@@ -137,19 +144,41 @@ def _rank_file(rank: int) -> str:
 Piece = tuple[str, tuple[int, ...], np.ndarray]
 
 
+def _tensor_names(writes: list[Piece]) -> list[str]:
+    """The name of each written box in the rank's file: its key, or, for a key of which this
+    rank writes several boxes (:class:`~pluribus.dtensor.boxes.Pieces`), the key and the
+    box's offsets."""
+    count: dict[str, int] = {}
+    for key, _, _ in writes:
+        count[key] = count.get(key, 0) + 1
+    names = [
+        key if count[key] == 1 else f"{key}@{','.join(map(str, offsets))}"
+        for key, offsets, _ in writes
+    ]
+    if len(set(names)) != len(names):
+        clash = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(
+            f"the tensor names {clash} would appear twice in one file (a key that looks like "
+            "another key's box name, key@offsets); rename that key"
+        )
+    return names
+
+
 def _write_pieces(
     snap: Snapshot, writes: list[Piece], copies: list[Piece], directory: str, global_rank: int
-) -> tuple[dict[str, dict], dict[str, dict]]:
+) -> tuple[list, list]:
     """Write ``writes`` to this rank's file, their checksums computed while the kernel takes
     the bytes, and those of ``copies`` (boxes another rank writes) too, so that the
-    coordinator can check that the copies of a box agree. The chunk of each written key, as
-    JSON, and the box and checksums of each copy."""
+    coordinator can check that the copies of a box agree. ``[key, chunk as JSON]`` of each
+    written box, and ``[key, box and checksums]`` of each copy."""
     name = _rank_file(snap.rank)
 
     def crash_while_writing():
         commit.crash_point("writing", global_rank)
 
-    file, tensors = os.path.join(directory, name), [(key, a) for key, _, a in writes]
+    names = _tensor_names(writes)
+    file = os.path.join(directory, name)
+    tensors = [(n, a) for n, (_, _, a) in zip(names, writes, strict=True)]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         written = None
         if writes:  # a rank that writes nothing leaves no file
@@ -160,14 +189,14 @@ def _write_pieces(
         copy_sums = [block_sums(as_bytes(a), BLOCK_BYTES, snap.checksum) for _, _, a in copies]
         if written is not None:
             written.result()
-    chunks = {
-        key: Chunk(tuple(offsets), tuple(array.shape), name, key, tuple(s)).to_json()
-        for (key, offsets, array), s in zip(writes, sums, strict=True)
-    }
-    copied = {
-        key: {"offsets": list(offsets), "sizes": list(array.shape), "checksums": s}
+    chunks = [
+        [key, Chunk(tuple(offsets), tuple(array.shape), name, n, tuple(s)).to_json()]
+        for (key, offsets, array), n, s in zip(writes, names, sums, strict=True)
+    ]
+    copied = [
+        [key, {"offsets": list(offsets), "sizes": list(array.shape), "checksums": s}]
         for (key, offsets, array), s in zip(copies, copy_sums, strict=True)
-    }
+    ]
     return chunks, copied
 
 
@@ -205,10 +234,10 @@ def _metadata(
     seen: dict[tuple, tuple[int, tuple]] = {}
     written: set[tuple] = set()
     for r, report in enumerate(reports):
-        held = [(key, Chunk.from_json(c), True) for key, c in report["chunks"].items()]
+        held = [(key, Chunk.from_json(c), True) for key, c in report["chunks"]]
         held += [
             (key, Chunk.from_json({**c, "file": "", "name": key}), False)
-            for key, c in report["copies"].items()
+            for key, c in report["copies"]
         ]
         for key, c, writes in held:
             box = (key, c.offsets, c.sizes)
@@ -304,7 +333,7 @@ def write_and_commit(
         report["chunks"], report["copies"] = _write_pieces(snap, writes, copies, tmp, global_rank)
     except Exception as e:  # every rank must reach the next exchange to hear of it
         report["error"] = f"writing {os.path.join(tmp, _rank_file(snap.rank))}: {e}"
-        report["chunks"], report["copies"] = {}, {}
+        report["chunks"], report["copies"] = [], []
     reports = _exchange(group, report)
     outcome = None
     if is_coordinator:

@@ -1,7 +1,8 @@
 """A nested state dict as a flat list of leaves with dotted keys, and back in place.
 
 Dicts (string keys) and lists nest; the leaves are arrays (numpy, cupy, numpy scalars),
-DTensors, and plain values (None, bool, int, float, str, and tuples or lists of them). Keys join
+DTensors, :class:`Pieces` (boxes of a global array that no DTensor layout describes), and
+plain values (None, bool, int, float, str, and tuples or lists of them). Keys join
 the path with dots as torch's state dicts do (``"model.blocks.0.attn.weight"``); two paths
 that join to the same key are an error. Loading writes arrays in place and puts plain values
 (and numpy scalars, which are immutable) back into their container.
@@ -15,14 +16,15 @@ from typing import Any
 import numpy as np
 
 from ..dtensor import DTensor
+from ..dtensor.boxes import Pieces
 
-ARRAY, DTENSOR, VALUE = "array", "dtensor", "value"
+ARRAY, DTENSOR, PIECES, VALUE = "array", "dtensor", "pieces", "value"
 
 
 @dataclass
 class Leaf:
     key: str
-    kind: str  # ARRAY, DTENSOR or VALUE
+    kind: str  # ARRAY, DTENSOR, PIECES or VALUE
     value: Any
     container: Any
     index: Any
@@ -80,6 +82,8 @@ def flatten(state_dict: dict, rank: int) -> list[Leaf]:
         seen[key] = path
         if isinstance(value, DTensor):
             kind = DTENSOR
+        elif isinstance(value, Pieces):
+            kind = PIECES
         elif is_array(value):
             kind = ARRAY
         elif _plain(value):
@@ -87,8 +91,9 @@ def flatten(state_dict: dict, rank: int) -> list[Leaf]:
         else:
             raise TypeError(
                 f"rank {rank}: state dict entry {key!r} is a {type(value).__name__}; a "
-                "checkpoint holds arrays, DTensors, and None/bool/int/float/str (or lists of "
-                "them). Convert it (for example a Generator's bit_generator.state is a dict)"
+                "checkpoint holds arrays, DTensors, Pieces, and None/bool/int/float/str (or "
+                "lists of them). Convert it (for example a Generator's bit_generator.state is a "
+                "dict)"
             )
         leaves.append(Leaf(key, kind, value, container, index))
 

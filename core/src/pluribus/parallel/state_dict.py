@@ -8,9 +8,12 @@ reshards on load, with the same keys for a model alone, under DDP, tensor-parall
   projection, each block split alike) has them as a leading dimension, ``(3, C, C)`` for
   ``(3C, C)``, so that each rank's piece is one box; ``checkpoint.load`` fills either form
   from the other.
-- An FSDP model's parameters are its ``Shard(0)`` DTensors (its own ``state_dict``); under
-  FSDP of a tensor-parallel model (2-D), a split parameter's rows are gathered over the
-  data-parallel mesh into this rank's tensor-parallel piece, saved as above.
+- An FSDP model's parameters are its ``Shard(0)`` DTensors (its own ``state_dict``). Under
+  FSDP of a tensor-parallel model (2-D), a split parameter's rows of this rank's piece are a
+  ``checkpoint.Pieces``: those rows placed in the blocked global shape above (one box, or a
+  few where they cross a fused projection's blocks), which no DTensor layout describes (two
+  mesh dimensions cut one tensor dimension; torch's ``_StridedShard``). No rank gathers its
+  whole piece to save or load it, and ``checkpoint.load`` fills the boxes from any layout.
 - Anything else is a copy of the array, the same on every rank.
 
 The optimizer's state is keyed by parameter name, each array in its parameter's form. An
@@ -22,13 +25,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import distributed as dist
 from ..dtensor import DTensor, Shard, from_local
+from ..dtensor.boxes import Pieces, dtensor_box, layout_box, regrouped
 from ..dtensor.layout import default_layout
-from ..nn.module import Parameter
+from ..nn.module import Parameter, array_namespace
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPModule, FullyShardedDataParallel
 from .fsdp.state_dict import (
+    _index,
     _load_optim_state_dict,
     _load_sharded_state_dict,
     _optim_state_dict,
@@ -46,20 +53,91 @@ def _unwrapped(model: Any) -> Any:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _fsdp_value(param: Parameter, value: Any, what: str) -> Any:
-    """``value`` as an FSDP model takes it: a tensor-parallel parameter's whole piece, or the
-    whole parameter with its blocks merged back."""
-    if getattr(param, "tp_layout", None) is not None:
-        return _from_state(param, value, what)
-    return _blocks_merged(param, value)
+def _fsdp_value(index: dict, param: Parameter, value: Any, what: str) -> Any:
+    """``value`` as an FSDP model takes it: a tensor-parallel parameter's rows (from the
+    :class:`Pieces` of :func:`_fsdp_state`, as FSDP's own DTensor) or whole piece, or the whole
+    parameter with its blocks merged back. ``index``: the model's ``fsdp.state_dict._index``."""
+    if getattr(param, "tp_layout", None) is None:
+        return _blocks_merged(param, _no_pieces(value, what))
+    if isinstance(value, Pieces):
+        unit, i = index[id(param)]
+        piece = unit.pieces[i]
+        start = piece.starts[unit.me]
+        rows = _fsdp_rows(param, value, (start, start + piece.sizes[unit.me]), what)
+        return unit.dtensor(piece, rows)
+    return _from_state(param, value, what)
 
 
-def _gathered(param: Parameter, value: Any) -> Any:
-    """An FSDP DTensor of a tensor-parallel parameter's rows, gathered over the data-parallel
-    mesh into this rank's piece and saved as a tensor-parallel one; anything else as it is."""
+def _fsdp_boxes(param: Parameter, rows: tuple[int, int]) -> list[tuple[tuple, tuple, tuple]]:
+    """Where FSDP's ``rows`` of this rank's tensor-parallel piece of ``param`` lie in its
+    blocked global shape: ``(index into the rows, offsets, sizes)`` of each box, one, or one
+    per fused block the rows cross."""
+    mesh, piece = param.tp_layout[0], _piece_shape(param)
+    layout = default_layout(_blocked_shape(param), (_split_placement(param),), mesh.shape)
+    tp_offsets, tp_sizes = layout_box(layout, mesh.coordinate)  # the piece, blocks first
+    box = ((rows[0],) + (0,) * (len(piece) - 1), (rows[1] - rows[0], *piece[1:]))
+    parts = [((slice(0, box[1][0]),), box)]
+    if param.blocks > 1:
+        parts = regrouped(box, piece, tp_sizes)
+    return [
+        (index, tuple(o + t for o, t in zip(offsets, tp_offsets, strict=True)), sizes)
+        for index, (offsets, sizes) in parts
+    ]
+
+
+def _fsdp_state(param: Parameter, value: Any) -> Any:
+    """An FSDP DTensor (a parameter's rows or its optimizer state's) as the state dict holds
+    it: a tensor-parallel parameter's rows as :class:`Pieces` of its blocked global shape
+    (nothing gathered); anything else as it is."""
     if getattr(param, "tp_layout", None) is None or not isinstance(value, DTensor):
         return value
-    return _to_state(param, value.full_tensor())
+    (start, *_), (count, *_) = dtensor_box(value)
+    rows = value.to_local()
+    boxes = [
+        (offsets, rows[index].reshape(sizes))
+        for index, offsets, sizes in _fsdp_boxes(param, (start, start + count))
+    ]
+    layout = (
+        f"FSDP {list(value.placements)} over mesh {list(value.device_mesh.shape)} of the "
+        f"DTensor mesh {list(param.tp_layout[0].shape)} [{_split_placement(param)}]"
+    )
+    return Pieces(_blocked_shape(param), boxes, dtype=rows.dtype, layout=layout)
+
+
+def _fsdp_rows(param: Parameter, value: Pieces, rows: tuple[int, int], what: str) -> Any:
+    """FSDP's ``rows`` of this rank's tensor-parallel piece, from the :class:`Pieces` that
+    :func:`_fsdp_state` gives (filled by ``checkpoint.load``)."""
+    boxes = _fsdp_boxes(param, rows)
+    held = {offsets: array for offsets, array in value.pieces}
+    want = sorted((offsets, sizes) for _, offsets, sizes in boxes)
+    if value.shape != _blocked_shape(param) or want != sorted(
+        (offsets, tuple(a.shape)) for offsets, a in value.pieces
+    ):
+        raise ValueError(
+            f"rank {dist.get_rank()}: {what} is Pieces of {list(value.shape)} with boxes "
+            f"{sorted((o, tuple(a.shape)) for o, a in value.pieces)}, but this rank's FSDP rows "
+            f"of its tensor-parallel piece are the boxes {want} of {list(_blocked_shape(param))}; "
+            "pass the state of this model's get_model_state_dict (or get_optimizer_state_dict), "
+            "filled by checkpoint.load, or a DTensor or whole array"
+        )
+    xp = array_namespace(value.pieces[0][1]) if value.pieces else np
+    out = xp.empty((rows[1] - rows[0], *_piece_shape(param)[1:]), value.dtype)
+    for index, offsets, _ in boxes:
+        out[index] = held[offsets].reshape(out[index].shape)
+    return out
+
+
+def _no_pieces(value: Any, what: str) -> Any:
+    """``value``, unless it is :class:`Pieces`, which only FSDP of a tensor-parallel model
+    gives and takes."""
+    if isinstance(value, Pieces):
+        raise ValueError(
+            f"rank {dist.get_rank()}: {what} is a checkpoint.Pieces, which only a split "
+            "parameter under FSDP takes (FSDP's rows of its tensor-parallel piece); load the "
+            "checkpoint into this model's own get_model_state_dict (or "
+            "get_optimizer_state_dict) and pass that"
+        )
+    return value
 
 
 def _blocks_merged(param: Parameter, value: Any) -> Any:
@@ -118,7 +196,7 @@ def _from_state(param: Parameter, value: Any, what: str) -> Any:
     :func:`_to_state` makes gives its own piece; in any other it is gathered first)."""
     whole, blocked = _whole_shape(param), _blocked_shape(param)
     layout = getattr(param, "tp_layout", None)
-    if isinstance(value, DTensor):
+    if isinstance(_no_pieces(value, what), DTensor):
         if layout is not None and value.shape == blocked and value.device_mesh == layout[0]:
             mine = default_layout(blocked, (_split_placement(param),), layout[0].shape)
             if value.layout is mine:  # layouts are interned: equal ones are one object
@@ -139,12 +217,11 @@ def _from_state(param: Parameter, value: Any, what: str) -> Any:
 
 
 def get_model_state_dict(model: Any) -> dict[str, Any]:
-    """Every parameter and buffer by name, in the forms above (no communication, but for the
-    gathers of FSDP of a tensor-parallel model)."""
+    """Every parameter and buffer by name, in the forms above (no communication)."""
     if _fsdp(model):
         params = dict(model.named_parameters())
         state = _sharded_state_dict(model)  # FSDP's own: a split parameter's rows of its piece
-        return {k: _gathered(params[k], v) if k in params else v for k, v in state.items()}
+        return {k: _fsdp_state(params[k], v) if k in params else v for k, v in state.items()}
     model = _unwrapped(model)
     state = {name: _to_state(param, param.data) for name, param in model.named_parameters()}
     state.update({name: buffer.copy() for name, buffer in model.named_buffers()})
@@ -157,9 +234,10 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
     way (filled by ``checkpoint.load``), or whole arrays. Collective when a value's layout
     differs from its parameter's (it is gathered): every rank passes the same keys."""
     if _fsdp(model):
-        params = dict(model.named_parameters())
+        params, index = dict(model.named_parameters()), _index(model)
         state = {
-            k: _fsdp_value(params[k], v, repr(k)) if k in params else v for k, v in state.items()
+            k: _fsdp_value(index, params[k], v, repr(k)) if k in params else v
+            for k, v in state.items()
         }
         _load_sharded_state_dict(model, state, strict)
         return
@@ -193,7 +271,7 @@ def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
         state = _optim_state_dict(model, optimizer)
         params = dict(model.named_parameters())
         for name, entry in state["state"].items():
-            state["state"][name] = {k: _gathered(params[name], v) for k, v in entry.items()}
+            state["state"][name] = {k: _fsdp_state(params[name], v) for k, v in entry.items()}
         return state
     optimizer.init_state()
     return named_optim_state_dict(_unwrapped(model), optimizer, _to_state)
@@ -203,10 +281,10 @@ def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) 
     """Put an optimizer state dict (from :func:`get_optimizer_state_dict` of this model or of
     the same model spread another way, filled by ``checkpoint.load``) into ``optimizer``."""
     if _fsdp(model):
-        params = dict(model.named_parameters())
+        params, index = dict(model.named_parameters()), _index(model)
         entries = {
             name: {
-                k: _fsdp_value(params[name], v, f"{name!r} state {k!r}")
+                k: _fsdp_value(index, params[name], v, f"{name!r} state {k!r}")
                 if name in params and (isinstance(v, DTensor) or getattr(v, "ndim", 0))
                 else v
                 for k, v in entry.items()

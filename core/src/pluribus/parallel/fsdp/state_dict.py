@@ -174,7 +174,8 @@ def _refuse_pieces(model: Any, call: str) -> None:
                     f"rank {dist.get_rank()}: {call} of an FSDP model whose parameters are "
                     "tensor-parallel pieces would give a piece as the whole parameter; use "
                     "pluribus.parallel.get_model_state_dict and set_model_state_dict (and "
-                    "get_/set_optimizer_state_dict), which save the pieces as DTensors"
+                    "get_/set_optimizer_state_dict), which give FSDP's rows of each piece as "
+                    "checkpoint.Pieces of the whole parameter"
                 )
 
 

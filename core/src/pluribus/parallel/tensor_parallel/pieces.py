@@ -73,8 +73,8 @@ def full_parameter(param: Parameter, grad: bool = False) -> Any:
     if getattr(param, "sharded_by_fsdp", False) and getattr(param, "tp_layout", None) is not None:
         raise ValueError(
             f"rank {dist.get_rank()}: full_parameter of a tensor-parallel piece that FSDP shards "
-            "(its .data holds rows of the piece); use pluribus.parallel.get_model_state_dict "
-            "and the DTensors' full_tensor()"
+            "(its .data holds rows of the piece); save pluribus.parallel.get_model_state_dict "
+            "with pluribus.checkpoint and read it back whole (checkpoint.read_whole)"
         )
     local = param.grad if grad else param.data
     layout = getattr(param, "tp_layout", None)
