@@ -200,3 +200,43 @@ def test_a_bad_leaf_on_one_rank_fails_every_rank_before_writing(tmp_path):
         assert error.startswith(f"rank {rank}: nothing was saved to {path}: rank 1: ")
         assert "'w' has dtype complex64" in error
     assert os.listdir(tmp_path) == []
+
+
+# -- boxes across ranks, and cupy views --------------------------------------------------------
+
+OVERLAPPED = np.arange(12, dtype=np.float64)
+
+
+def _save_overlapping(path: str):
+    """Rank 0 holds A[0:6], rank 1 A[4:10]: they overlap on 4..5 and nobody holds 10..11, so
+    the chunks' volumes still add up to 12."""
+    lo, hi = [(0, 6), (4, 10)][pb.get_rank()]
+    try:
+        checkpoint.save({"a": Pieces((12,), [((lo,), OVERLAPPED[lo:hi].copy())])}, path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_boxes_of_two_ranks_that_overlap_and_leave_a_hole_are_refused(tmp_path):
+    path = str(tmp_path / "c")
+    errors = run_ranks(_save_overlapping, 2, args=(path,))
+    assert all(e is not None and "do not tile" in e for e in errors), errors
+
+
+def _load_into_a_cupy_view(path: str):
+    import cupy
+
+    whole = cupy.zeros((4, 6))
+    view = whole[:, 2:4]  # a box that is a view, as one cuts boxes of a whole array
+    checkpoint.load({"w": Pieces((4, 6), [((0, 2), view)])}, path)
+    return cupy.asnumpy(whole)
+
+
+def test_a_cupy_box_that_is_a_view_is_filled_in_place(tmp_path):
+    pytest.importorskip("cupy")
+    path = str(tmp_path / "c")
+    w = np.arange(24, dtype=np.float64).reshape(4, 6)
+    checkpoint.save({"w": w}, path)
+    got = run_ranks(_load_into_a_cupy_view, 1, args=(path,))[0]
+    np.testing.assert_array_equal(got[:, 2:4], w[:, 2:4])

@@ -61,6 +61,17 @@ def _boxes(leaf: Leaf, rank: int) -> tuple[tuple[int, ...], list[tuple[Any, Box]
     return shape, [(value, ((0,) * len(shape), shape))]
 
 
+def _to_device(local: Any, host: np.ndarray) -> None:
+    """Copy ``host`` into the cupy array ``local``: cupy's ``set`` takes a contiguous array
+    only, and a box of ``Pieces`` may be a view of a larger one."""
+    if local.flags.c_contiguous:
+        local.set(host)
+    else:
+        import cupy
+
+        local[...] = cupy.asarray(host)
+
+
 def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
     shape, boxes = _boxes(leaf, rank)
     dtype = np.dtype(leaf.value.dtype)
@@ -76,7 +87,7 @@ def _destination(leaf: Leaf, info: TensorInfo, rank: int) -> Destination:
     for local, box in boxes:
         if is_cupy(local):
             host = np.empty(local.shape, dtype)
-            dest.finish.append(lambda local=local, host=host: local.set(host))
+            dest.finish.append(lambda local=local, host=host: _to_device(local, host))
         elif isinstance(local, np.generic):
             host = np.empty((), dtype)
             dest.finish.append(lambda host=host: leaf.replace(host[()]))

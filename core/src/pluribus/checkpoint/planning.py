@@ -122,14 +122,31 @@ def assign_shared_pieces(
 
 
 def covers_exactly(info: TensorInfo) -> bool:
-    """Whether the chunks tile the global shape: inside it, and their volumes add up (the
-    coordinator drops duplicate boxes first, so overlap would show as excess volume)."""
+    """Whether the chunks tile the global shape: inside it, volumes that add up, and no two
+    that overlap (the coordinator drops duplicate boxes first; boxes of ``Pieces`` on two
+    ranks may overlap and leave a hole of the same volume)."""
     total = 0
     for c in info.chunks:
         if any(o < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, info.shape, strict=True)):
             return False
         total += math.prod(c.sizes)
-    return total == math.prod(info.shape)
+    if total != math.prod(info.shape):
+        return False
+    # a sweep along the dimension with the most distinct offsets: near linear for a grid
+    boxes = [(c.offsets, c.sizes) for c in info.chunks if math.prod(c.sizes)]
+    if len(boxes) < 2 or not info.shape:
+        return True
+    d = max(range(len(info.shape)), key=lambda k: len({o[k] for o, _ in boxes}))
+    boxes.sort(key=lambda b: b[0][d])
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1 :]:
+            if ob[d] >= oa[d] + sa[d]:
+                break
+            if all(
+                max(x, y) < min(x + m, y + n) for x, m, y, n in zip(oa, sa, ob, sb, strict=True)
+            ):
+                return False
+    return True
 
 
 @dataclass(frozen=True)
