@@ -13,8 +13,9 @@ code. After every epoch the ranks save a checkpoint together (``pluribus.checkpo
 ``--parallel`` picks how the model is spread over the ranks (``ddp``; ``fsdp``: each block
 fully sharded; ``tp``: each block's heads and MLP split over ``--tp-size`` ranks, data parallel
 over the rest, and with ``--vocab-parallel`` the embedding, the head and the loss split by
-vocabulary), ``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks). A
-checkpoint written under one ``--parallel`` resumes under any other.
+vocabulary; ``fsdp-tp``: the same split, its pieces fully sharded over the rest),
+``--preset`` the model size (``10M`` and ``100M`` for memory benchmarks). A checkpoint
+written under one ``--parallel`` resumes under any other.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pluribus.parallel import (  # noqa: E402
     DistributedDataParallel,
     FullyShardedDataParallel,
     VocabParallelCrossEntropyLoss,
-    full_parameter,
+    fully_shard,
     get_model_state_dict,
     get_optimizer_state_dict,
     parallelize_module,
@@ -53,7 +54,7 @@ from pluribus.parallel import (  # noqa: E402
 )
 
 VOCAB = 128  # ASCII; any other character reads as "?"
-PARALLEL = ["ddp", "fsdp", "tp", "none"]  # pipeline and the other combinations join here
+PARALLEL = ["ddp", "fsdp", "tp", "fsdp-tp", "none"]  # pipeline and the other combinations join here
 HELD_OUT_SEED = 12345  # the held-out windows never depend on --seed
 
 
@@ -121,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "always does); without it a run starts afresh",
     )
     args = parser.parse_args(argv)
-    if args.vocab_parallel and args.parallel != "tp":
+    if args.vocab_parallel and args.parallel not in ("tp", "fsdp-tp"):
         parser.error("--vocab-parallel splits a tensor-parallel model: add --parallel tp")
     if args.checkpoint_dir is None:
         args.checkpoint_dir = str(default_checkpoint_dir(f"gpt-{args.preset}"))
@@ -185,8 +186,9 @@ def build_model(args: argparse.Namespace) -> nn.GPT:
 
 def tensor_parallel(model: nn.GPT, args: argparse.Namespace, world: int):
     """Split every block (and with ``--vocab-parallel`` the vocabulary) over ``--tp-size``
-    ranks on a (dp, tp) mesh, with DDP over its data parallel dimension. Returns the model to
-    train, the data-parallel slice of the mesh and the loss."""
+    ranks on a (dp, tp) mesh, with DDP over its data parallel dimension (``fsdp-tp``: each
+    block, then the root, fully sharded over it). Returns the model to train, the
+    data-parallel slice of the mesh and the loss."""
     if world % args.tp_size:
         raise SystemExit(f"--tp-size {args.tp_size} does not divide the {world} ranks")
     shape = (world // args.tp_size, args.tp_size)
@@ -195,6 +197,10 @@ def tensor_parallel(model: nn.GPT, args: argparse.Namespace, world: int):
     parallelize_module(model, mesh["tp"], plan)
     loss_fn = VocabParallelCrossEntropyLoss(mesh["tp"]) if args.vocab_parallel else None
     data = mesh["dp"]
+    if args.parallel == "fsdp-tp":
+        for block in model.blocks:
+            fully_shard(block, mesh=data)
+        return fully_shard(model, mesh=data), data, loss_fn
     if data.size() == 1:
         return model, data, loss_fn
     return DistributedDataParallel(model, process_group=data.get_group()), data, loss_fn
@@ -304,7 +310,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.parallel == "fsdp":  # each block a unit, then the root; the model is sharded in place
         runner = FullyShardedDataParallel(model)
     loss_fn = nn.CrossEntropyLoss()
-    if args.parallel == "tp":
+    if args.parallel in ("tp", "fsdp-tp"):
         runner, data, split_loss = tensor_parallel(model, args, world)
         data_rank, data_world = data.get_local_rank(), data.size()
         loss_fn = split_loss or loss_fn
@@ -373,11 +379,11 @@ def train(args: argparse.Namespace) -> dict:
             evaluate(model, held_out, args.batch_size, xp, data_rank, data_world, loss_fn)
         )
     sample = ""
-    # under fsdp and tp every rank runs the forwards (they gather parameters or activations)
+    # but under ddp every rank runs the forwards (they gather parameters or activations)
     if args.sample_chars and args.vocab_parallel:
         if rank == 0:
             print("--- no sample: the head gives each rank its part of the vocabulary ---")
-    elif args.sample_chars and (rank == 0 or args.parallel in ("fsdp", "tp")):
+    elif args.sample_chars and (rank == 0 or args.parallel != "ddp"):
         prompt = xp.asarray(encode("def ")[None, :].astype(np.int64))
         generated = model.generate(prompt, args.sample_chars, temperature=0.8, rng=args.seed)
         sample = decode(_host(generated[0])) if rank == 0 else ""
@@ -388,17 +394,11 @@ def train(args: argparse.Namespace) -> dict:
         "baseline": baseline,
         "start_epoch": start_epoch,
         "sample": sample,
-        "state": {k: _host(v) for k, v in whole_state(model, runner, args.parallel).items()},
+        # the whole parameters on every rank, however they are spread
+        "state": {
+            k: _host(v) for k, v in get_model_state_dict(runner, full_state_dict=True).items()
+        },
     }
-
-
-def whole_state(model: nn.GPT, runner, parallel: str) -> dict:
-    """The model's whole parameters: fsdp gathers them on rank 0, tp on every rank."""
-    if parallel == "fsdp":
-        return runner.full_state_dict()
-    if parallel == "tp":
-        return {name: full_parameter(p) for name, p in model.named_parameters()}
-    return model.state_dict()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,10 +33,14 @@ def test_fsdp_run_resumed_from_its_checkpoint_equals_an_unbroken_one(tmp_path):
         np.testing.assert_allclose(resumed[0]["state"][name], value, rtol=1e-6, err_msg=name)
 
 
-RANKS = {"ddp": 2, "tp": 4}  # tp: 2 (data) x 2 (tensor), the data split of ddp on 2
+# tp and fsdp-tp: 2 (data) x 2 (tensor), the data split of ddp on 2
+RANKS = {"ddp": 2, "tp": 4, "fsdp-tp": 4}
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [("ddp", "tp"), ("tp", "ddp"), ("tp", "tp")])
+@pytest.mark.parametrize(
+    "saved_by, resumed_by",
+    [("ddp", "tp"), ("tp", "ddp"), ("tp", "tp"), ("fsdp-tp", "ddp"), ("tp", "fsdp-tp")],
+)
 def test_a_checkpoint_resumes_under_another_parallelism(tmp_path, saved_by, resumed_by):
     first = _args(tmp_path / "a", "--epochs-this-run", 1, parallel=saved_by)
     run_ranks(train_gpt.train, RANKS[saved_by], "threads", args=(first,))

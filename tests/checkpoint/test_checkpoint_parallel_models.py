@@ -393,3 +393,40 @@ def test_pieces_of_another_layout_are_refused():
         )
         assert elsewhere.startswith(f"rank {rank}: 'blocks.0.attn.qkv.weight' is a checkpoint")
         assert "only a split parameter under FSDP takes" in elsewhere
+
+
+def _full_state(how: str, dp: int, tp: int, uneven: bool):
+    model = _model() if not uneven else _odd_model()
+    want = model.state_dict()
+    runner, _ = _spread(model, how, dp, tp)
+    return want, get_model_state_dict(runner, full_state_dict=True)
+
+
+def _odd_model():
+    """Sizes that split unevenly: 5 heads of 4 over 2 or 4 ranks would not divide, so 6 heads
+    of 2 (an embedding of 12) over 2, and FSDP rows of 3 * 12 / 2 = 18 over 4 data ranks."""
+    config = nn.GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=6, n_embd=12, block_size=8)
+    return nn.GPT(config, dtype=np.float64, rng=3)
+
+
+@pytest.mark.parametrize(
+    "how, dp, tp, uneven",
+    [
+        ("none", 1, 1, False),
+        ("ddp", 2, 1, False),
+        ("tp", 1, 4, False),
+        ("tp", 2, 2, False),
+        ("fsdp", 3, 1, False),
+        ("fsdp-tp", 2, 2, False),
+        ("fsdp-tp", 1, 2, False),
+        ("fsdp-tp", 4, 2, True),
+    ],
+)
+def test_a_full_state_dict_is_the_one_process_model_in_every_layout(how, dp, tp, uneven):
+    """torch's ``full_state_dict=True``: every rank gets the whole arrays, in the model's own
+    shapes, equal to the unsplit model's (FSDP's rows and tensor-parallel pieces gathered)."""
+    for want, got in run_ranks(_full_state, dp * tp, args=(how, dp, tp, uneven)):
+        assert set(got) == set(want)
+        for name, value in got.items():
+            assert value.shape == want[name].shape, name
+            np.testing.assert_array_equal(value, want[name], err_msg=name)

@@ -58,13 +58,15 @@ def _parallel_args(parallel, *extra):
     return train_gpt.parse_args(["--checkpoint-dir", "", *map(str, small)])
 
 
+@pytest.mark.parametrize("parallel", ["tp", "fsdp-tp"])
 @pytest.mark.parametrize("vocab_parallel", [False, True], ids=["blocks", "blocks-and-vocab"])
-def test_gpt_example_split_by_tensor_parallelism_trains_the_ddp_model(vocab_parallel):
+def test_gpt_example_split_by_tensor_parallelism_trains_the_ddp_model(vocab_parallel, parallel):
     """Four ranks as 2 (data) x 2 (tensor): each pair of tensor-parallel ranks sees what one
-    DDP rank sees, and together they train the same model, with the vocabulary split too."""
+    DDP rank sees, and together they train the same model, with the vocabulary split too, and
+    with the pieces fully sharded over the data-parallel ranks (2-D)."""
     ddp = run_ranks(train_gpt.train, 2, "threads", args=(_parallel_args("ddp"),))
     extra = ["--vocab-parallel"] if vocab_parallel else []
-    tp = run_ranks(train_gpt.train, 4, "threads", args=(_parallel_args("tp", *extra),))
+    tp = run_ranks(train_gpt.train, 4, "threads", args=(_parallel_args(parallel, *extra),))
     for r in range(4):
         np.testing.assert_allclose(tp[r]["losses"], ddp[r // 2]["losses"], rtol=1e-4)
         assert tp[r]["held_out"] == pytest.approx(ddp[0]["held_out"], rel=1e-4)

@@ -216,8 +216,29 @@ def _from_state(param: Parameter, value: Any, what: str) -> Any:
     return piece_of(value, dim, mesh, chunks)
 
 
-def get_model_state_dict(model: Any) -> dict[str, Any]:
-    """Every parameter and buffer by name, in the forms above (no communication)."""
+def _whole_value(param: Parameter, value: Any) -> Any:
+    """``value`` (a parameter's array, or FSDP's DTensor of it) whole, in the parameter's own
+    shape: FSDP's rows gathered over their mesh, then a tensor-parallel piece over its mesh."""
+    split = getattr(param, "tp_layout", None) is not None
+    if isinstance(value, DTensor):
+        value = value.full_tensor()  # FSDP: the whole parameter, or its tensor-parallel piece
+    elif not split:
+        value = value.copy()
+    if not split:
+        return value
+    # on every rank of the tensor-parallel mesh alike, whatever the size of its piece
+    return _to_state(param, value).full_tensor().reshape(_whole_shape(param))
+
+
+def get_model_state_dict(model: Any, *, full_state_dict: bool = False) -> dict[str, Any]:
+    """Every parameter and buffer by name, in the forms above (no communication).
+
+    ``full_state_dict=True`` (torch's ``StateDictOptions`` field): every value whole, in the
+    model's own shapes, on every rank, as one process holds it (to export or inspect a model
+    however it was spread). Collective: each split or sharded parameter is gathered, in the
+    same order on every rank."""
+    if full_state_dict:
+        return _full_model_state(model)
     if _fsdp(model):
         params = dict(model.named_parameters())
         state = _sharded_state_dict(model)  # FSDP's own: a split parameter's rows of its piece
@@ -226,6 +247,22 @@ def get_model_state_dict(model: Any) -> dict[str, Any]:
     state = {name: _to_state(param, param.data) for name, param in model.named_parameters()}
     state.update({name: buffer.copy() for name, buffer in model.named_buffers()})
     return state
+
+
+def _full_model_state(model: Any) -> dict[str, Any]:
+    if _fsdp(model):
+        params, state = dict(model.named_parameters()), _sharded_state_dict(model)
+    else:
+        model = _unwrapped(model)
+        params = dict(model.named_parameters())
+        state = {name: param.data for name, param in params.items()}
+        state.update(model.named_buffers())
+    return {
+        k: _whole_value(params[k], v)
+        if k in params
+        else (v.full_tensor() if isinstance(v, DTensor) else v.copy())
+        for k, v in state.items()
+    }
 
 
 def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
