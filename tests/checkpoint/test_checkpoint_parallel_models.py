@@ -79,6 +79,19 @@ def _whole_parameters(model) -> dict:
     return {name: full_parameter(p) for name, p in model.named_parameters()}
 
 
+def _steps(runner, opt, steps: range, dp: int, me: int) -> None:
+    """Train ``steps`` of the fixed batches, this data-parallel rank ``me`` its rows."""
+    data = np.random.default_rng(5).integers(0, VOCAB, size=(4, ROWS, 9))
+    loss_fn, per = nn.CrossEntropyLoss(), ROWS // dp
+    for step in steps:
+        batch = data[step, per * me : per * (me + 1)]
+        logits = runner.forward(batch[:, :-1])
+        loss_fn.forward(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        runner.backward(loss_fn.backward().reshape(logits.shape))
+        opt.step()
+        opt.zero_grad()
+
+
 def _train(how: str, dp: int, tp: int, steps: range, path: str | None, load: str | None):
     model = _model()
     runner, me = _spread(model, how, dp, tp)
@@ -91,15 +104,7 @@ def _train(how: str, dp: int, tp: int, steps: range, path: str | None, load: str
         checkpoint.load(state, load)
         set_model_state_dict(runner, state["model"])
         set_optimizer_state_dict(runner, opt, state["optim"])
-    data = np.random.default_rng(5).integers(0, VOCAB, size=(4, ROWS, 9))
-    loss_fn, per = nn.CrossEntropyLoss(), ROWS // dp
-    for step in steps:
-        batch = data[step, per * me : per * (me + 1)]
-        logits = runner.forward(batch[:, :-1])
-        loss_fn.forward(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-        runner.backward(loss_fn.backward().reshape(logits.shape))
-        opt.step()
-        opt.zero_grad()
+    _steps(runner, opt, steps, dp, me)
     saved = None
     if path is not None:
         state = {
@@ -430,3 +435,35 @@ def test_a_full_state_dict_is_the_one_process_model_in_every_layout(how, dp, tp,
         for name, value in got.items():
             assert value.shape == want[name].shape, name
             np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def _full_states_after_two_steps(how: str, dp: int, tp: int):
+    model = _model()
+    runner, me = _spread(model, how, dp, tp)
+    opt = nn.AdamW(runner.parameters() if how.startswith("fsdp") else model.parameters(), lr=1e-2)
+    _steps(runner, opt, range(2), dp, me)
+    model_state = get_model_state_dict(runner, full_state_dict=True)
+    return model_state, get_optimizer_state_dict(runner, opt, full_state_dict=True)
+
+
+@pytest.mark.parametrize(
+    "how, dp, tp", [("tp", 2, 2), ("ddp", 2, 1), ("fsdp", 2, 1), ("fsdp-tp", 2, 2)]
+)
+def test_full_optimizer_state_after_training_is_the_one_process_state(how, dp, tp):
+    """Two steps in any layout, then the whole parameters and optimizer moments on every rank:
+    those of two steps in one process (so every piece and row is gathered into its place)."""
+    [(want_model, want_optim)] = run_ranks(_full_states_after_two_steps, 1, args=("none", 1, 1))
+    world = dp * tp
+    if how == "fsdp":  # every rank the whole batch (see _spread)
+        dp = 1
+    for got_model, got_optim in run_ranks(_full_states_after_two_steps, world, args=(how, dp, tp)):
+        for name, value in want_model.items():
+            np.testing.assert_allclose(got_model[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+        assert set(got_optim["state"]) == set(want_optim["state"])
+        assert got_optim["step_count"] == want_optim["step_count"] == 2
+        for name, entry in want_optim["state"].items():
+            for key, value in entry.items():
+                np.testing.assert_allclose(
+                    got_optim["state"][name][key], value, rtol=1e-9, atol=1e-12,
+                    err_msg=f"{name} {key}",
+                )  # fmt: skip

@@ -297,21 +297,29 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
             buffer[...] = like(buffer, value)
 
 
-def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+def get_optimizer_state_dict(
+    model: Any, optimizer: Any, *, full_state_dict: bool = False
+) -> dict[str, Any]:
     """``{"state": {name: {key: array, DTensor or number}}, "param_groups": [...],
     "step_count": n}``, each state array in its parameter's form; gives an optimizer that has
-    not stepped the zero state of a first step first (``optimizer.init_state()``)."""
+    not stepped the zero state of a first step first (``optimizer.init_state()``).
+    ``full_state_dict=True``: each array whole on every rank, as for
+    :func:`get_model_state_dict` (collective)."""
     if _fsdp(model):
         for unit in model.fsdp_units():  # after a forward, .data is the gathered parameter
             unit.reshard()
         optimizer.init_state()
         state = _optim_state_dict(model, optimizer)
         params = dict(model.named_parameters())
+        form = _whole_value if full_state_dict else _fsdp_state
         for name, entry in state["state"].items():
-            state["state"][name] = {k: _fsdp_state(params[name], v) for k, v in entry.items()}
+            state["state"][name] = {
+                k: form(params[name], v) if isinstance(v, DTensor) else v for k, v in entry.items()
+            }
         return state
     optimizer.init_state()
-    return named_optim_state_dict(_unwrapped(model), optimizer, _to_state)
+    form = _whole_value if full_state_dict else _to_state
+    return named_optim_state_dict(_unwrapped(model), optimizer, form)
 
 
 def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
