@@ -72,15 +72,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tp-size",
         type=int,
         default=2,
-        help="with --parallel tp: ranks per tensor-parallel group (the world divided by it "
-        "trains data parallel)",
+        help="with --parallel tp or fsdp-tp: ranks per tensor-parallel group (the world "
+        "divided by it trains data parallel)",
     )
     parser.add_argument(
         "--vocab-parallel",
         action="store_true",
-        help="with --parallel tp: split the token embedding and the head by vocabulary too, "
-        "and compute the loss from the split logits (no sample is drawn: sampling needs the "
-        "whole vocabulary's logits)",
+        help="with --parallel tp or fsdp-tp: split the token embedding and the head by "
+        "vocabulary too, and compute the loss from the split logits (no sample is drawn: "
+        "sampling needs the whole vocabulary's logits)",
     )
     parser.add_argument("--preset", choices=sorted(nn.PRESETS), default="small", help="model size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -123,7 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.vocab_parallel and args.parallel not in ("tp", "fsdp-tp"):
-        parser.error("--vocab-parallel splits a tensor-parallel model: add --parallel tp")
+        parser.error(
+            "--vocab-parallel splits a tensor-parallel model: add --parallel tp (or fsdp-tp)"
+        )
     if args.checkpoint_dir is None:
         args.checkpoint_dir = str(default_checkpoint_dir(f"gpt-{args.preset}"))
     return args
@@ -233,7 +235,8 @@ def warmup_then_cosine(warmup: int, total: int):
 def checkpoint_state(runner, opt, scheduler, epoch: int) -> dict:
     """What a checkpoint holds, with the same keys however the model is spread
     (``pluribus.parallel``'s state dict): every rank passes its own state (cupy arrays too),
-    whole arrays under ddp (each written once), DTensors for fsdp's rows and tp's pieces."""
+    whole arrays under ddp (each written once), DTensors for fsdp's rows and tp's pieces,
+    ``checkpoint.Pieces`` for fsdp-tp's rows of its pieces."""
     return {
         "model": get_model_state_dict(runner),
         "optim": get_optimizer_state_dict(runner, opt),
@@ -273,13 +276,17 @@ def evaluate(
     model.eval()
     total, count = 0.0, 0
     mine = data[rank::world]
-    for start in range(0, len(mine), batch_size):
-        chunk = xp.asarray(mine[start : start + batch_size])
+    most = -(-len(data) // world)  # every rank runs as many forwards (FSDP gathers in each)
+    for start in range(0, most, batch_size):
+        part = mine[start : start + batch_size]
+        chunk = xp.asarray(part if len(part) else data[:1])  # none left here: counted as 0
         logits = model.forward(chunk[:, :-1])
         targets = chunk[:, 1:].reshape(-1)
         logits = logits.reshape(-1, logits.shape[-1])  # split by vocabulary: this rank's part
-        total += float(loss_fn.forward(logits, targets)) * targets.size
-        count += targets.size
+        loss = float(loss_fn.forward(logits, targets))
+        if len(part):
+            total += loss * targets.size
+            count += targets.size
     model.release_saved()
     loss_fn.release_saved()  # the training loss: its last probabilities are no longer needed
     model.train()
@@ -379,7 +386,8 @@ def train(args: argparse.Namespace) -> dict:
             evaluate(model, held_out, args.batch_size, xp, data_rank, data_world, loss_fn)
         )
     sample = ""
-    # but under ddp every rank runs the forwards (they gather parameters or activations)
+    # under every --parallel but ddp every rank runs the forwards (they gather parameters or
+    # activations); under ddp rank 0 alone samples
     if args.sample_chars and args.vocab_parallel:
         if rank == 0:
             print("--- no sample: the head gives each rank its part of the vocabulary ---")

@@ -467,3 +467,33 @@ def test_full_optimizer_state_after_training_is_the_one_process_state(how, dp, t
                     got_optim["state"][name][key], value, rtol=1e-9, atol=1e-12,
                     err_msg=f"{name} {key}",
                 )  # fmt: skip
+
+
+def _sharded_below_the_root():
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block)
+    opt = nn.AdamW(model.parameters(), lr=1e-2)
+    errors = []
+    for call in (
+        lambda: get_model_state_dict(model),
+        lambda: get_model_state_dict(model, full_state_dict=True),
+        lambda: get_optimizer_state_dict(model, opt),
+        lambda: set_model_state_dict(model, {}),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_model_sharded_below_its_root_is_refused():
+    """Each rank's rows of a block that fully_shard split would pass for whole arrays."""
+    for rank, errors in enumerate(run_ranks(_sharded_below_the_root, 2)):
+        assert len(errors) == 4, errors
+        for error in errors:
+            assert (
+                error.startswith(f"rank {rank}: parameter 'blocks.0.")
+                and "fully_shard the root" in error
+            )

@@ -50,7 +50,18 @@ def _fsdp(model: Any) -> bool:
 
 
 def _unwrapped(model: Any) -> Any:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The model a state dict reads (DDP's module), refused when ``fully_shard`` split some
+    of its parameters but the model itself is no FSDP module: each rank's rows would pass for
+    whole arrays."""
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    for name, param in model.named_parameters():
+        if getattr(param, "sharded_by_fsdp", False):
+            raise ValueError(
+                f"rank {dist.get_rank()}: parameter {name!r} is sharded by fully_shard on a "
+                f"submodule, but {type(model).__name__} itself is not: fully_shard the root "
+                "too (model = fully_shard(model), as torch's FSDP2 expects) and pass that"
+            )
+    return model
 
 
 def _fsdp_value(index: dict, param: Parameter, value: Any, what: str) -> Any:
