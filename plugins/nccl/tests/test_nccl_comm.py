@@ -202,6 +202,35 @@ def test_the_watchdog_reports_an_asynchronous_error_on_the_next_call():
         backend.all_reduce_async(device_array([1.0]), ReduceOp.SUM)
 
 
+class _SlowDoneEvent(FakeRuntime):
+    """A runtime whose event after each NCCL call (the ``done`` one) takes 0.3 s to make: the
+    watchdog, woken by the enqueue, finds nothing pending and nothing enqueuing meanwhile and
+    goes to sleep before the work is added."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = 0
+
+    def new_event(self):
+        self.made += 1
+        if self.made % 2 == 0:  # the second of each enqueue: after the call, before the work
+            time.sleep(0.3)
+        return super().new_event()
+
+
+def test_the_watchdog_watches_a_work_added_while_it_slept():
+    runtime = _SlowDoneEvent()
+    (backend,) = _world(1, runtime)
+    runtime.events_hang = True
+    work = backend.all_reduce_async(device_array([1.0]), ReduceOp.SUM)
+    backend.complete(work)
+    backend.comm.async_error = "NCCL_ERROR_SYSTEM_ERROR: connection reset"
+    deadline = time.monotonic() + 5
+    while backend.error is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert isinstance(backend.error, PeerError), "the watchdog never looked at the work"
+
+
 def test_abort_stops_the_communicator():
     runtime = FakeRuntime()
     (backend,) = _world(1, runtime)

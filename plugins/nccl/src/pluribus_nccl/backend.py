@@ -430,6 +430,9 @@ class NcclBackend(Backend):
             work = NcclWork(self, done, label, list(arrays) + list(temporaries))
             with self._lock:
                 self._pending.append(work)
+                # the watchdog may have gone to sleep between the enqueue's end and this line
+                # (nothing pending, nothing enqueuing): wake it to watch this work
+                self._wakeup.notify_all()
         return work
 
     @contextmanager
