@@ -128,6 +128,15 @@ def _recorded(module: Module, name: str, style: str, mesh: DeviceMesh) -> list:
     return shapes
 
 
+def _claim(module: Module, mesh: DeviceMesh, style: str) -> None:
+    """Refuse what is not a pluribus.nn Module, and a module ``style`` hooked before."""
+    if not isinstance(module, Module):
+        raise TypeError(
+            f"{rank_text(mesh)}: {style} hooks a pluribus.nn Module, got {type(module).__name__}"
+        )
+    _mark_once(module, mesh, style)
+
+
 class PrepareModuleInput(ParallelStyle):
     """Move a module's positional inputs from ``input_layouts`` to ``desired_input_layouts``
     before its forward (``Shard(1)`` to ``Replicate()`` gathers the sequence), and the gradient
@@ -170,12 +179,7 @@ class PrepareModuleInput(ParallelStyle):
         )
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        if not isinstance(module, Module):
-            raise TypeError(
-                f"{rank_text(mesh)}: PrepareModuleInput hooks a pluribus.nn Module, got "
-                f"{type(module).__name__}"
-            )
-        _mark_once(module, mesh, "PrepareModuleInput")
+        _claim(module, mesh, "PrepareModuleInput")
         pairs = self.pairs
 
         def prepare(m: Module, args: tuple) -> tuple:
@@ -227,12 +231,7 @@ class PrepareModuleOutput(ParallelStyle):
         )
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        if not isinstance(module, Module):
-            raise TypeError(
-                f"{rank_text(mesh)}: PrepareModuleOutput hooks a pluribus.nn Module, got "
-                f"{type(module).__name__}"
-            )
-        _mark_once(module, mesh, "PrepareModuleOutput")
+        _claim(module, mesh, "PrepareModuleOutput")
         pairs = self.pairs
 
         def prepare(m: Module, args: tuple, output: Any) -> Any:
