@@ -552,3 +552,57 @@ def test_bad_arguments_are_refused_on_every_rank_before_anything_is_hooked_or_se
             assert kind == want_kind and want in message, (message, want)
             assert message.startswith(f"rank {rank}: "), message
         assert sent == [], sent  # nothing sent: every refusal came before a collective
+
+
+def _input_and_output_moves():
+    """PrepareModuleInputOutput: the sequence gathered in and cut out again, the output's
+    gradient gathered before backward and the input's cut after it; and its refusals."""
+    from pluribus.parallel import PrepareModuleInputOutput
+
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    rank, world = pb.get_rank(), pb.get_world_size()
+    rng = np.random.default_rng(7)
+    x, g = rng.normal(size=(2, 5, 3)), rng.normal(size=(2, 5, 3))
+    probe = Probe()
+    style = PrepareModuleInputOutput(
+        input_layouts=Shard(1),
+        desired_input_layouts=Replicate(),
+        output_layouts=Replicate(),
+        desired_output_layouts=Shard(1),
+    )
+    parallelize_module(probe, mesh, style)
+    out = probe.forward(piece(x, Shard(1), rank, world))
+    np.testing.assert_array_equal(probe.seen[0], x)
+    np.testing.assert_array_equal(out, piece(x, Shard(1), rank, world))
+    probe.grad_input = 2 * g
+    back = probe.backward(piece(g, Shard(1), rank, world))
+    np.testing.assert_array_equal(probe.grads_seen[0], g)
+    np.testing.assert_array_equal(back, piece(2 * g, Shard(1), rank, world))
+    output_moved = parallelize_module(
+        Probe(),
+        mesh,
+        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+    )
+    errors = []
+    for make in (
+        lambda: PrepareModuleInputOutput(
+            use_local_input=False, output_layouts=Replicate(), desired_output_layouts=Shard(1)
+        ),
+        lambda: parallelize_module(probe, mesh, style),  # applied again
+        lambda: parallelize_module(output_moved, mesh, style),  # its output style applied
+    ):
+        try:
+            make()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_prepare_module_input_output_moves_both_ways_and_refuses_bad_use(world):
+    for rank, errors in enumerate(run_ranks(_input_and_output_moves, world)):
+        assert len(errors) == 3, errors
+        assert all(e.startswith(f"rank {rank}") for e in errors), errors
+        assert "use_local_input=True is the only choice" in errors[0]
+        assert "already applied" in errors[1] and "already applied" in errors[2]

@@ -10,16 +10,16 @@ attention block thus costs one all-reduce in forward and one in backward.
 
 The package: ``pieces`` (how parameters are cut and put back), ``boundaries`` (what crosses a
 layer's boundary), ``layers`` (the split layers' own forward), ``styles`` (one module's split),
-``prepare`` (torch's PrepareModuleInput and PrepareModuleOutput: a module's inputs or outputs
-moved between layouts, nothing split), ``plan`` (a model's), ``clip`` (gradient clipping) and
-``loss`` (cross-entropy of logits split by vocabulary).
+``prepare`` (torch's PrepareModuleInput, PrepareModuleOutput and PrepareModuleInputOutput: a
+module's inputs or outputs moved between layouts, nothing split), ``plan`` (a model's),
+``clip`` (gradient clipping) and ``loss`` (cross-entropy of logits split by vocabulary).
 """
 
 from .clip import clip_grad_norm_
 from .loss import VocabParallelCrossEntropyLoss
 from .pieces import full_parameter
 from .plan import parallelize_module, transformer_plan
-from .prepare import PrepareModuleInput, PrepareModuleOutput
+from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from .styles import (
     AttentionParallel,
     ColwiseParallel,
@@ -36,6 +36,7 @@ __all__ = [
     "MLPParallel",
     "ParallelStyle",
     "PrepareModuleInput",
+    "PrepareModuleInputOutput",
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",

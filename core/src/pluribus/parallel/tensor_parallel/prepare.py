@@ -1,7 +1,8 @@
-"""torch's ``PrepareModuleInput`` and ``PrepareModuleOutput``: a module's positional inputs (or
-outputs) moved from the layout they come in to the one wanted, and their gradients moved back,
-so that a plan ported from torch can say where a sequence is gathered or cut (before attention,
-after a position table). Nothing is split; each move is one redistribute (``move``).
+"""torch's ``PrepareModuleInput``, ``PrepareModuleOutput`` (and the two as one,
+``PrepareModuleInputOutput``): a module's positional inputs (or outputs) moved from the layout
+they come in to the one wanted, and their gradients moved back, so that a plan ported from
+torch can say where a sequence is gathered or cut (before attention, after a position table).
+Nothing is split; each move is one redistribute (``move``).
 
 The moved values stay local arrays, since pluribus modules take and give those. The whole
 shape each forward saw is kept on the module, not in a closure, so the gradients of uneven
@@ -253,3 +254,51 @@ class PrepareModuleOutput(ParallelStyle):
         module.register_forward_hook(prepare)
         module.register_full_backward_pre_hook(restore, prepend=True)
         return module
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """torch's pair of the two styles above on one module: its inputs moved as
+    :class:`PrepareModuleInput` moves them and its outputs as :class:`PrepareModuleOutput`
+    does, each with its arguments (``use_local_input``, torch's default False, is True only
+    here, as ``use_local_output`` is)."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Layouts = None,
+        desired_input_layouts: Layouts = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_input: bool = True,
+        output_layouts: Layouts,
+        desired_output_layouts: Layouts,
+        use_local_output: bool = True,
+    ):
+        if use_local_input is not True:
+            raise ValueError(
+                f"rank {dist.get_rank()}: PrepareModuleInputOutput(use_local_input="
+                f"{use_local_input!r}): pluribus.nn modules take local arrays, so "
+                "use_local_input=True is the only choice (a plan ported from torch drops it)"
+            )
+        self.inputs = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+        )
+        self.outputs = PrepareModuleOutput(
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        for style in ("PrepareModuleInput", "PrepareModuleOutput"):  # refused before any hook
+            if style in getattr(module, "__dict__", {}).get("_tp_styles", ()):
+                raise ValueError(
+                    f"{rank_text(mesh)}: {style} is already applied to {module!r}; "
+                    "PrepareModuleInputOutput applies it again"
+                )
+        _claim(module, mesh, "PrepareModuleInputOutput")
+        self.inputs.apply(module, mesh)
+        return self.outputs.apply(module, mesh)
