@@ -497,3 +497,37 @@ def test_a_model_sharded_below_its_root_is_refused():
                 error.startswith(f"rank {rank}: parameter 'blocks.0.")
                 and "fully_shard the root" in error
             )
+
+
+def _offloaded_after_two_steps(how: str, dp: int, tp: int):
+    model = _model()
+    runner, me = _spread(model, how, dp, tp)
+    opt = nn.AdamW(runner.parameters() if how.startswith("fsdp") else model.parameters(), lr=1e-2)
+    _steps(runner, opt, range(2), dp, me)
+    model_state = get_model_state_dict(runner, full_state_dict=True, cpu_offload=True)
+    optim_state = get_optimizer_state_dict(runner, opt, full_state_dict=True, cpu_offload=True)
+    try:
+        get_model_state_dict(runner, cpu_offload=True)
+        alone = None
+    except ValueError as e:
+        alone = str(e)
+    return model_state, optim_state, alone
+
+
+@pytest.mark.parametrize("how, dp, tp", [("tp", 2, 2), ("fsdp-tp", 2, 2)])
+def test_cpu_offload_keeps_the_full_state_on_rank_0_only(how, dp, tp):
+    """torch's cpu_offload with full_state_dict: rank 0 gets one process's state, the other
+    ranks ``{}``; cpu_offload alone is refused on every rank."""
+    [(want_model, want_optim)] = run_ranks(_full_states_after_two_steps, 1, args=("none", 1, 1))
+    results = run_ranks(_offloaded_after_two_steps, dp * tp, args=(how, dp, tp))
+    (model_state, optim_state, _), rest = results[0], results[1:]
+    assert all(m == {} and o == {} for m, o, _ in rest)
+    for name, value in want_model.items():
+        np.testing.assert_allclose(model_state[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+    for name, entry in want_optim["state"].items():
+        for key, value in entry.items():
+            np.testing.assert_allclose(
+                optim_state["state"][name][key], value, rtol=1e-9, atol=1e-12
+            )
+    for rank, (_, _, alone) in enumerate(results):
+        assert alone.startswith(f"rank {rank}: cpu_offload=True") and "full_state_dict" in alone

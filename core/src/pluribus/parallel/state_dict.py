@@ -241,15 +241,19 @@ def _whole_value(param: Parameter, value: Any) -> Any:
     return _to_state(param, value).full_tensor().reshape(_whole_shape(param))
 
 
-def get_model_state_dict(model: Any, *, full_state_dict: bool = False) -> dict[str, Any]:
+def get_model_state_dict(
+    model: Any, *, full_state_dict: bool = False, cpu_offload: bool = False
+) -> dict[str, Any]:
     """Every parameter and buffer by name, in the forms above (no communication).
 
     ``full_state_dict=True`` (torch's ``StateDictOptions`` field): every value whole, in the
     model's own shapes, on every rank, as one process holds it (to export or inspect a model
     however it was spread). Collective: each split or sharded parameter is gathered, in the
-    same order on every rank."""
-    if full_state_dict:
-        return _full_model_state(model)
+    same order on every rank. With ``cpu_offload=True`` too (torch's), rank 0 alone keeps the
+    values, as host arrays, and every other rank gets ``{}``, holding no more than one whole
+    array at a time."""
+    if full_state_dict or cpu_offload:
+        return _full_model_state(model, *_full_form(full_state_dict, cpu_offload))
     if _fsdp(model):
         params = dict(model.named_parameters())
         state = _sharded_state_dict(model)  # FSDP's own: a split parameter's rows of its piece
@@ -260,7 +264,34 @@ def get_model_state_dict(model: Any, *, full_state_dict: bool = False) -> dict[s
     return state
 
 
-def _full_model_state(model: Any) -> dict[str, Any]:
+def _full_form(full_state_dict: bool, cpu_offload: bool):
+    """The conversion of each value of a full state dict (refusing ``cpu_offload`` alone): the
+    whole array, or with ``cpu_offload`` that array on the host on rank 0 and None elsewhere
+    (dropped as soon as it is gathered); and whether this rank keeps the state dict."""
+    if not full_state_dict:
+        raise ValueError(
+            f"rank {dist.get_rank()}: cpu_offload=True gathers the whole state on rank 0 and "
+            "needs full_state_dict=True (a sharded state dict stays where it is)"
+        )
+    keep = not cpu_offload or not dist.is_initialized() or dist.get_rank() == 0
+
+    def form(param: Parameter | None, value: Any) -> Any:
+        if param is None:  # a buffer
+            whole = value.full_tensor() if isinstance(value, DTensor) else value.copy()
+        else:
+            whole = _whole_value(param, value)
+        if not cpu_offload:
+            return whole
+        return (whole.get() if _is_cupy(whole) else whole) if keep else None
+
+    return form, keep
+
+
+def _is_cupy(array: Any) -> bool:
+    return type(array).__module__.split(".")[0] == "cupy"
+
+
+def _full_model_state(model: Any, form, keep: bool) -> dict[str, Any]:
     if _fsdp(model):
         params, state = dict(model.named_parameters()), _sharded_state_dict(model)
     else:
@@ -268,12 +299,8 @@ def _full_model_state(model: Any) -> dict[str, Any]:
         params = dict(model.named_parameters())
         state = {name: param.data for name, param in params.items()}
         state.update(model.named_buffers())
-    return {
-        k: _whole_value(params[k], v)
-        if k in params
-        else (v.full_tensor() if isinstance(v, DTensor) else v.copy())
-        for k, v in state.items()
-    }
+    whole = {k: form(params.get(k), v) for k, v in state.items()}
+    return whole if keep else {}
 
 
 def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True) -> None:
@@ -309,28 +336,30 @@ def set_model_state_dict(model: Any, state: dict[str, Any], strict: bool = True)
 
 
 def get_optimizer_state_dict(
-    model: Any, optimizer: Any, *, full_state_dict: bool = False
+    model: Any, optimizer: Any, *, full_state_dict: bool = False, cpu_offload: bool = False
 ) -> dict[str, Any]:
     """``{"state": {name: {key: array, DTensor or number}}, "param_groups": [...],
     "step_count": n}``, each state array in its parameter's form; gives an optimizer that has
     not stepped the zero state of a first step first (``optimizer.init_state()``).
-    ``full_state_dict=True``: each array whole on every rank, as for
-    :func:`get_model_state_dict` (collective)."""
+    ``full_state_dict`` and ``cpu_offload``: as for :func:`get_model_state_dict`."""
+    full, keep = (
+        _full_form(full_state_dict, cpu_offload) if full_state_dict or cpu_offload else (None, True)
+    )
     if _fsdp(model):
         for unit in model.fsdp_units():  # after a forward, .data is the gathered parameter
             unit.reshard()
         optimizer.init_state()
         state = _optim_state_dict(model, optimizer)
         params = dict(model.named_parameters())
-        form = _whole_value if full_state_dict else _fsdp_state
+        form = full or _fsdp_state
         for name, entry in state["state"].items():
             state["state"][name] = {
                 k: form(params[name], v) if isinstance(v, DTensor) else v for k, v in entry.items()
             }
-        return state
-    optimizer.init_state()
-    form = _whole_value if full_state_dict else _to_state
-    return named_optim_state_dict(_unwrapped(model), optimizer, form)
+    else:
+        optimizer.init_state()
+        state = named_optim_state_dict(_unwrapped(model), optimizer, full or _to_state)
+    return state if keep else {}
 
 
 def set_optimizer_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
