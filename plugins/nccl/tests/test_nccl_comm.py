@@ -188,8 +188,9 @@ def test_an_asynchronous_nccl_error_is_raised_not_swallowed():
     assert backend.comm.aborted
 
 
-def test_the_watchdog_reports_an_asynchronous_error_on_the_next_call():
-    runtime = FakeRuntime()
+def _asynchronous_error_while_a_work_hangs(runtime: FakeRuntime) -> NcclBackend:
+    """A backend with one work that never finishes and then an asynchronous NCCL error;
+    returned once its watchdog has seen the error, or after 5 s."""
     (backend,) = _world(1, runtime)
     runtime.events_hang = True
     work = backend.all_reduce_async(device_array([1.0]), ReduceOp.SUM)
@@ -198,6 +199,11 @@ def test_the_watchdog_reports_an_asynchronous_error_on_the_next_call():
     deadline = time.monotonic() + 5
     while backend.error is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    return backend
+
+
+def test_the_watchdog_reports_an_asynchronous_error_on_the_next_call():
+    backend = _asynchronous_error_while_a_work_hangs(FakeRuntime())
     with pytest.raises(PeerError, match="connection reset"):
         backend.all_reduce_async(device_array([1.0]), ReduceOp.SUM)
 
@@ -219,15 +225,7 @@ class _SlowDoneEvent(FakeRuntime):
 
 
 def test_the_watchdog_watches_a_work_added_while_it_slept():
-    runtime = _SlowDoneEvent()
-    (backend,) = _world(1, runtime)
-    runtime.events_hang = True
-    work = backend.all_reduce_async(device_array([1.0]), ReduceOp.SUM)
-    backend.complete(work)
-    backend.comm.async_error = "NCCL_ERROR_SYSTEM_ERROR: connection reset"
-    deadline = time.monotonic() + 5
-    while backend.error is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    backend = _asynchronous_error_while_a_work_hangs(_SlowDoneEvent())
     assert isinstance(backend.error, PeerError), "the watchdog never looked at the work"
 
 

@@ -23,6 +23,7 @@ import shutil
 import threading
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,15 +149,13 @@ def _tensor_names(writes: list[Piece]) -> list[str]:
     """The name of each written box in the rank's file: its key, or, for a key of which this
     rank writes several boxes (:class:`~pluribus.dtensor.boxes.Pieces`), the key and the
     box's offsets."""
-    count: dict[str, int] = {}
-    for key, _, _ in writes:
-        count[key] = count.get(key, 0) + 1
+    count = Counter(key for key, _, _ in writes)
     names = [
         key if count[key] == 1 else f"{key}@{','.join(map(str, offsets))}"
         for key, offsets, _ in writes
     ]
-    if len(set(names)) != len(names):
-        clash = sorted({n for n in names if names.count(n) > 1})
+    clash = sorted(name for name, n in Counter(names).items() if n > 1)
+    if clash:
         raise ValueError(
             f"the tensor names {clash} would appear twice in one file (a key that looks like "
             "another key's box name, key@offsets); rename that key"

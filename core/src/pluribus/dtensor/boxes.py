@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import distributed as dist
+from ..arrays import device_of
 from .api import DTensor
 from .layout import Layout
 
@@ -61,10 +62,6 @@ def regrouped(box: Box, shape: tuple[int, ...], saved: tuple[int, ...]) -> list 
     return None
 
 
-def _is_cupy(array: Any) -> bool:
-    return type(array).__module__.split(".")[0] == "cupy"
-
-
 def _box_text(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> str:
     return f"offsets {list(offsets)} sizes {list(sizes)}"
 
@@ -109,7 +106,7 @@ class Pieces:
                     f"{who}: Pieces of {list(shape)}: piece {i} is not an (offsets, array) pair"
                 )
             offsets, array = piece
-            if not (isinstance(array, np.ndarray) or _is_cupy(array)):
+            if not (isinstance(array, np.ndarray) or device_of(array) == "cuda"):
                 raise ValueError(
                     f"{who}: Pieces of {list(shape)}: piece {i} holds a "
                     f"{type(array).__name__}; each box is a numpy or cupy array"

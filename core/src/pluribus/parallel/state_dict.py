@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import distributed as dist
+from ..arrays import device_of
 from ..dtensor import DTensor, Shard, from_local
 from ..dtensor.boxes import Pieces, dtensor_box, layout_box, regrouped
 from ..dtensor.layout import default_layout
@@ -282,13 +283,9 @@ def _full_form(full_state_dict: bool, cpu_offload: bool):
             whole = _whole_value(param, value)
         if not cpu_offload:
             return whole
-        return (whole.get() if _is_cupy(whole) else whole) if keep else None
+        return (whole.get() if device_of(whole) == "cuda" else whole) if keep else None
 
     return form, keep
-
-
-def _is_cupy(array: Any) -> bool:
-    return type(array).__module__.split(".")[0] == "cupy"
 
 
 def _full_model_state(model: Any, form, keep: bool) -> dict[str, Any]:
