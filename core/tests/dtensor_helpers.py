@@ -1,11 +1,48 @@
-"""Shared by the DTensor tests: a plugin that records every collective each rank issues."""
+"""Shared by the DTensor tests: a plugin that records every collective each rank issues, and
+a hypothesis strategy of (mesh shape, global shape, placements, dtype) cases."""
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
 
+from hypothesis import strategies as st
 from pluribus import hookimpl
+from pluribus.dtensor import Partial, Replicate, Shard
+
+MESHES = [(1,), (3,), (2, 2), (2, 1, 2)]
+
+
+def _placement(draw, ndim: int):
+    kind = draw(st.sampled_from(["shard", "replicate", "partial"]))
+    if kind == "shard" and ndim:
+        return Shard(draw(st.integers(0, ndim - 1)))
+    if kind == "partial":
+        return Partial(draw(st.sampled_from(["sum", "avg", "max"])))
+    return Replicate()
+
+
+@st.composite
+def layout_cases(draw, dtypes=("float32", "float64", "int64"), largest: int = 5):
+    """A mesh shape (up to 4 ranks), a global shape of up to 3 dimensions (sizes 0 to
+    ``largest``, so smaller than the mesh too), valid placements for both, and a dtype."""
+    mesh = draw(st.sampled_from(MESHES))
+    shape = tuple(draw(st.lists(st.integers(0, largest), max_size=3)))
+    placements, used = [], set()
+    for _ in mesh:
+        p = _placement(draw, len(shape))
+        if isinstance(p, Shard) and p.dim in used:
+            p = Replicate()  # a tensor dimension is sharded by one mesh dimension only
+        if isinstance(p, Shard):
+            used.add(p.dim)
+        placements.append(p)
+    ops = {p.op for p in placements if isinstance(p, Partial)}
+    if len(ops) > 1:  # Partial ops whose order matters are not mixed
+        placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    dtype = draw(st.sampled_from(dtypes))
+    if dtype == "int64":  # an average of integers is refused
+        placements = [Partial() if p == Partial("avg") else p for p in placements]
+    return mesh, shape, placements, dtype
 
 
 def _nbytes(arrays) -> int:

@@ -6,12 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pluribus as pb
 import pytest
-from dtensor_helpers import CountingPlugin
+from dtensor_helpers import CountingPlugin, layout_cases
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from pluribus.dtensor import (
-    Partial,
-    Replicate,
     Shard,
     distribute_tensor,
     empty,
@@ -23,38 +20,6 @@ from pluribus.dtensor import (
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
-
-MESHES = [(1,), (3,), (2, 2), (2, 1, 2)]
-
-
-def _placement(draw, ndim: int):
-    kind = draw(st.sampled_from(["shard", "replicate", "partial"]))
-    if kind == "shard" and ndim:
-        return Shard(draw(st.integers(0, ndim - 1)))
-    if kind == "partial":
-        return Partial(draw(st.sampled_from(["sum", "avg", "max"])))
-    return Replicate()
-
-
-@st.composite
-def _cases(draw):
-    mesh = draw(st.sampled_from(MESHES))
-    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
-    placements, used = [], set()
-    for _ in mesh:
-        p = _placement(draw, len(shape))
-        if isinstance(p, Shard) and p.dim in used:
-            p = Replicate()  # a tensor dimension is sharded by one mesh dimension only
-        if isinstance(p, Shard):
-            used.add(p.dim)
-        placements.append(p)
-    ops = {p.op for p in placements if isinstance(p, Partial)}
-    if len(ops) > 1:  # Partial ops whose order matters are not mixed
-        placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    dtype = draw(st.sampled_from(["float32", "float64", "int64"]))
-    if dtype == "int64":  # an average of integers is refused
-        placements = [Partial() if p == Partial("avg") else p for p in placements]
-    return mesh, shape, placements, dtype
 
 
 def _pieces(mesh_shape, shape, placements, dtype, counting):
@@ -90,7 +55,7 @@ def _rank():
 
 
 @settings(max_examples=25, deadline=None)
-@given(_cases())
+@given(layout_cases())
 def test_each_piece_is_what_distribute_tensor_cuts_with_nothing_sent(case):
     mesh, shape, placements, dtype = case
     counting = CountingPlugin()

@@ -23,6 +23,8 @@ from pluribus.dtensor import (
     Shard,
     distribute_tensor,
     init_device_mesh,
+    randn,
+    random,
     split_sizes,
     zeros,
 )
@@ -217,6 +219,11 @@ def _block_on_cupy() -> bool:
         np.testing.assert_array_equal(cupy.asnumpy(full_parameter(p)), q.data, err_msg=name)
     made = zeros(5, 3, device_mesh=mesh, placements=[Shard(0)], dtype=np.float64)
     assert isinstance(made.to_local(), cupy.ndarray) and not made.full_tensor().any()
+    # a random array on a cuda mesh: cupy pieces of the one stream
+    drawn = randn(5, 3, device_mesh=mesh, placements=[Shard(1)], dtype=np.float64, seed=9)
+    whole = random.piece(9, (5, 3), (0, 0), (5, 3), np.dtype(np.float64), normal=True)
+    assert isinstance(drawn.to_local(), cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(drawn.full_tensor()), whole)
     # a table and a loss split by vocabulary (11 classes: uneven over 2 ranks)
     table = nn.Embedding(11, 4, dtype=np.float64, rng=4)
     whole_table = table.weight.data.copy()

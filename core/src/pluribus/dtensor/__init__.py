@@ -8,7 +8,7 @@ collectives a change of placements costs, and ``redistribute`` runs exactly thos
 from ..mesh import DeviceMesh, init_device_mesh
 from . import ops
 from .api import DTensor, distribute_tensor, from_local, redistribute_plan
-from .factories import empty, full, ones, zeros
+from .factories import empty, full, ones, rand, randn, zeros
 from .layout import Layout, split_sizes
 from .ops import elementwise, matmul
 from .placements import Partial, Placement, Replicate, Shard
@@ -35,6 +35,8 @@ __all__ = [
     "matmul",
     "ones",
     "ops",
+    "rand",
+    "randn",
     "redistribute_plan",
     "split_sizes",
     "zeros",

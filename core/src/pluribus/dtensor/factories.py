@@ -1,22 +1,25 @@
-"""torch's DTensor factories (``zeros``, ``ones``, ``empty``, ``full``): each rank allocates
-only its own piece, so a tensor too large for one rank can be made split. The pieces are what
-:func:`~pluribus.dtensor.distribute_tensor` would cut from the whole array (a ``Partial("sum")``
-keeps the value on the first rank of its mesh dimension and zeros elsewhere), without any
-whole array or communication. The arrays are numpy on a "cpu" mesh and cupy on a "cuda" one.
+"""torch's DTensor factories (``zeros``, ``ones``, ``empty``, ``full``, ``rand``, ``randn``):
+each rank allocates only its own piece, so a tensor too large for one rank can be made split.
+The pieces are what :func:`~pluribus.dtensor.distribute_tensor` would cut from the whole array
+(a ``Partial("sum")`` keeps the value on the first rank of its mesh dimension and zeros
+elsewhere), without any whole array or communication (but for agreeing on a random seed when
+none is given). The arrays are numpy on a "cpu" mesh and cupy on a "cuda" one.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import distributed as dist
 from ..mesh import DeviceMesh
+from . import random
 from .api import DTensor
-from .layout import default_layout, normalize_placements
+from .boxes import layout_box
+from .layout import Layout, default_layout, normalize_placements
 from .placements import Partial, Placement, Replicate
 
 
@@ -37,6 +40,44 @@ def _shape(size: tuple) -> tuple[int, ...]:
     return shape
 
 
+def _made(
+    size: tuple,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+    dtype: Any,
+    what: str,
+) -> tuple[DeviceMesh, Layout, np.dtype, Any]:
+    """The checked arguments of a factory: mesh, layout, dtype and array namespace."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(
+            f"rank {dist.get_rank()}: {what} needs device_mesh= (a DeviceMesh), got {device_mesh!r}"
+        )
+    mesh, shape = device_mesh, _shape(size)
+    dtype = np.dtype(np.float32 if dtype is None else dtype)  # torch's default dtype
+    if placements is None:
+        placements = (Replicate(),) * mesh.ndim
+    targets = normalize_placements(placements, len(shape), mesh.shape, dist.get_rank(), dtype)
+    layout = default_layout(shape, targets, mesh.shape)
+    if mesh.device_type == "cuda":
+        import cupy as xp
+    else:
+        xp = np
+    return mesh, layout, dtype, xp
+
+
+def _dtensor(
+    mesh: DeviceMesh, layout: Layout, dtype: np.dtype, xp: Any, make: Callable[[], Any]
+) -> DTensor:
+    """The DTensor whose piece ``make()`` gives; a ``Partial("sum")`` piece off the first rank
+    of its mesh dimension is zeros instead (the terms of a sum: the value once)."""
+    zero = any(
+        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
+        for m, p in enumerate(layout.placements)
+    )
+    shape = layout.local_shape(mesh.coordinate)
+    return DTensor(xp.zeros(shape, dtype) if zero else make(), mesh, layout)
+
+
 def _make(
     size: tuple,
     fill: Any,
@@ -46,12 +87,7 @@ def _make(
     what: str,
 ) -> DTensor:
     """The DTensor of ``size`` whose every element is ``fill`` (None: uninitialised)."""
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(
-            f"rank {dist.get_rank()}: {what} needs device_mesh= (a DeviceMesh), got {device_mesh!r}"
-        )
-    mesh, shape = device_mesh, _shape(size)
-    dtype = np.dtype(np.float32 if dtype is None else dtype)  # torch's default dtype
+    mesh, layout, dtype, xp = _made(size, device_mesh, placements, dtype, what)
     if fill is not None:
         if np.ndim(fill) != 0:
             raise ValueError(
@@ -64,26 +100,10 @@ def _make(
             raise ValueError(
                 f"rank {dist.get_rank()}: {what} cannot fill {dtype} with {fill!r}: {e}"
             ) from None
-    if placements is None:
-        placements = (Replicate(),) * mesh.ndim
-    targets = normalize_placements(placements, len(shape), mesh.shape, dist.get_rank(), dtype)
-    layout = default_layout(shape, targets, mesh.shape)
-    if mesh.device_type == "cuda":
-        import cupy as xp
-    else:
-        xp = np
     local = layout.local_shape(mesh.coordinate)
-    zero = any(  # the terms of a sum: the value once, on the first rank of the mesh dimension
-        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
-        for m, p in enumerate(targets)
-    )
-    if zero:
-        piece = xp.zeros(local, dtype)
-    elif fill is None:
-        piece = xp.empty(local, dtype)
-    else:
-        piece = xp.full(local, fill, dtype)
-    return DTensor(piece, mesh, layout)
+    if fill is None:
+        return _dtensor(mesh, layout, dtype, xp, lambda: xp.empty(local, dtype))
+    return _dtensor(mesh, layout, dtype, xp, lambda: xp.full(local, fill, dtype))
 
 
 def zeros(
@@ -127,3 +147,67 @@ def full(
 ) -> DTensor:
     """A DTensor whose every element is ``fill_value``."""
     return _make((size,), fill_value, device_mesh, placements, dtype, "full")
+
+
+def _seed(seed: Any, mesh: DeviceMesh, xp: Any, what: str) -> int:
+    """``seed`` checked; None: one drawn on the world's rank 0 and broadcast to every rank
+    (torch syncs rank 0's generator the same way), so each such call draws new values."""
+    if seed is not None:
+        try:
+            value = operator.index(seed)
+        except TypeError:
+            value = -1
+        if isinstance(seed, (bool, np.bool_)) or not 0 <= value < 2**128:
+            raise ValueError(
+                f"rank {dist.get_rank()}: {what}'s seed is an integer in [0, 2**128) (Philox's "
+                f"key), the same on every rank; got {seed!r}"
+            )
+        return value
+    drawn = xp.zeros(1, np.int64)
+    if dist.get_rank() == 0:
+        drawn[0] = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1))
+    dist.broadcast(drawn, 0)
+    return int(drawn[0])
+
+
+def _random(size, device_mesh, placements, dtype, seed, normal: bool, what: str) -> DTensor:
+    mesh, layout, dtype, xp = _made(size, device_mesh, placements, dtype, what)
+    if dtype.kind != "f":
+        raise TypeError(
+            f"rank {dist.get_rank()}: {what} draws floating-point values; got dtype {dtype} "
+            f"(pass a float dtype, or draw a float DTensor and convert its pieces)"
+        )
+    seed = _seed(seed, mesh, xp, what)
+    offsets, sizes = layout_box(layout, mesh.coordinate)
+    return _dtensor(
+        mesh,
+        layout,
+        dtype,
+        xp,
+        lambda: xp.asarray(random.piece(seed, layout.shape, offsets, sizes, dtype, normal)),
+    )
+
+
+def rand(
+    *size: Any,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    dtype: Any = np.float32,
+    seed: int | None = None,
+) -> DTensor:
+    """A DTensor of values uniform on [0, 1): the same global array from the same ``seed``
+    whatever the mesh and placements (:mod:`pluribus.dtensor.random`); each rank draws only
+    its own piece. ``seed=None`` draws one on rank 0 and broadcasts it (one collective)."""
+    return _random(size, device_mesh, placements, dtype, seed, False, "rand")
+
+
+def randn(
+    *size: Any,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    dtype: Any = np.float32,
+    seed: int | None = None,
+) -> DTensor:
+    """A DTensor of standard normal values, the same global array from the same ``seed``
+    whatever the mesh and placements (as :func:`rand`)."""
+    return _random(size, device_mesh, placements, dtype, seed, True, "randn")
