@@ -387,6 +387,21 @@ class DTensor:
     def T(self):
         return _ops().transpose(self)
 
+    def permute(self, *dims):
+        """torch's ``x.permute(1, 0, 2)`` (or a tuple): the dimensions in that order."""
+        return _ops().permute(self, _one_or_many(dims))
+
+    def reshape(self, *shape):
+        """numpy's ``x.reshape(2, -1)`` (or a tuple); torch's ``view``. A copy."""
+        return _ops().reshape(self, _one_or_many(shape))
+
+    view = reshape
+
+
+def _one_or_many(args: tuple) -> Any:
+    """torch's ``*dims``: integers, or one sequence of them."""
+    return args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+
 
 def _ops():
     from . import ops

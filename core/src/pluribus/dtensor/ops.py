@@ -8,6 +8,7 @@ that would make one apply (placements never change behind the user's back).
 from __future__ import annotations
 
 import builtins
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -225,12 +226,108 @@ def power(x: DTensor, exponent: Any) -> DTensor:
 
 def transpose(x: DTensor) -> DTensor:
     """Reverse the dimensions (``x.T``)."""
+    return permute(x, tuple(reversed(range(x.ndim))))
+
+
+# -- shapes ----------------------------------------------------------------------------------
+
+
+def permute(x: DTensor, dims: Any) -> DTensor:
+    """The dimensions in the order ``dims`` (torch's ``permute``, numpy's ``transpose(axes)``):
+    a ``Shard(d)`` becomes ``Shard`` of where ``d`` went; the pieces are transposed locally."""
     n = x.ndim
-    placements = tuple(Shard(n - 1 - p.dim) if isinstance(p, Shard) else p for p in x.placements)
-    layout = Layout(tuple(reversed(x.shape)), placements, x.layout.sizes)
-    # a copy: the transpose of a 1-d or (n, 1) piece is a contiguous view, which the new
-    # DTensor would share with x (and a donation of either would write over the other)
-    return DTensor(x.to_local().T.copy(), x.device_mesh, layout)
+    try:
+        order = tuple(operator.index(d) % n if n else operator.index(d) for d in dims)
+    except TypeError:
+        order = None
+    if order is None or sorted(order) != list(range(n)) or any(not -n <= d < n for d in dims):
+        _fail(f"permute of a {n}-d DTensor takes each of its dimensions once, got {tuple(dims)}")
+    placements = tuple(
+        Shard(order.index(p.dim)) if isinstance(p, Shard) else p for p in x.placements
+    )
+    layout = Layout(tuple(x.shape[d] for d in order), placements, x.layout.sizes)
+    # a copy: the new piece must be C-contiguous and its own (a view would share the piece,
+    # and a donation of either DTensor would write over the other)
+    return DTensor(x.to_local().transpose(order).copy(), x.device_mesh, layout)
+
+
+def _target_shape(shape: tuple[int, ...], given: Any) -> tuple[int, ...]:
+    """``given`` (integers, at most one -1, numpy's rule) as the new shape of ``shape``."""
+    try:
+        dims = tuple(operator.index(n) for n in given)
+    except TypeError:
+        dims = None
+    total = math.prod(shape)
+    if dims is None or any(n < -1 for n in dims) or dims.count(-1) > 1:
+        _fail(f"reshape takes integers, at most one of them -1; got {given!r}")
+    known = math.prod(n for n in dims if n != -1)
+    if -1 in dims:
+        if known == 0 or total % known:
+            _fail(f"cannot reshape a DTensor of shape {shape} into {dims}")
+        dims = tuple(total // known if n == -1 else n for n in dims)
+    if math.prod(dims) != total:
+        _fail(f"cannot reshape a DTensor of shape {shape} into {dims}")
+    return dims
+
+
+def _dim_groups(old: tuple[int, ...], new: tuple[int, ...]) -> list[tuple[list, list]]:
+    """The dimensions of ``old`` and ``new`` (of one nonzero number of elements) in groups of
+    neighbours with equal products: ``(old dims, new dims)``. A dimension of size 1 on one side
+    only is a group of its own, with no partner."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        if i < len(old) and old[i] == 1 and (j == len(new) or new[j] != 1):
+            groups.append(([i], []))
+            i += 1
+        elif j < len(new) and new[j] == 1 and (i == len(old) or old[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+        else:
+            a, b, pa, pb = [i], [j], old[i], new[j]
+            i, j = i + 1, j + 1
+            while pa != pb:
+                if pa < pb:
+                    a.append(i)
+                    pa, i = pa * old[i], i + 1
+                else:
+                    b.append(j)
+                    pb, j = pb * new[j], j + 1
+            groups.append((a, b))
+    return groups
+
+
+def reshape(x: DTensor, shape: Any) -> DTensor:
+    """The global array in ``shape`` (numpy's ``reshape``, torch's ``view``; -1 is inferred).
+    Neighbouring dimensions that merge or split form groups; a ``Shard`` of the first
+    dimension of its group moves to the group's first new dimension, when every rank's piece
+    is whole rows of it (its elements in the group divide by the rest of the new group). Any
+    other sharded reshape would need data from other ranks: refused, naming the redistribute.
+    Replicate and Partial pass through. The new piece is a copy (each DTensor owns its piece)."""
+    new = _target_shape(x.shape, shape)
+    placements, sizes = list(x.placements), list(x.layout.sizes)
+    shards = [(m, p) for m, p in enumerate(x.placements) if isinstance(p, Shard)]
+    groups = _dim_groups(x.shape, new) if shards and math.prod(new) else []
+    for m, p in shards:
+        held = x.layout.sizes[m]
+        group = next((g for g in groups if p.dim in g[0]), None)
+        if group is None or not group[1] or group[0][0] != p.dim:
+            moved = None
+        else:
+            (first, *rest_old), (target, *rest_new) = group
+            inner_old = math.prod(x.shape[d] for d in rest_old)
+            inner_new = math.prod(new[d] for d in rest_new)
+            moved = [n * inner_old // inner_new for n in held if n * inner_old % inner_new == 0]
+        if moved is None or len(moved) != len(held):
+            _fail(
+                f"reshape {x.shape} -> {new} of {p!r} on mesh dimension {m}: the pieces "
+                f"({list(held)} along dimension {p.dim}) are not whole rows of any dimension "
+                f"of the result; redistribute mesh dimension {m} to Replicate first, or shard "
+                "the first dimension of those that merge"
+            )
+        placements[m], sizes[m] = Shard(target), tuple(moved)
+    layout = Layout(new, tuple(placements), tuple(sizes))
+    local = x.to_local().reshape(layout.local_shape(x.device_mesh.coordinate)).copy()
+    return DTensor(local, x.device_mesh, layout)
 
 
 # -- reductions ------------------------------------------------------------------------------

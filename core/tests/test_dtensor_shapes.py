@@ -1,0 +1,219 @@
+"""reshape (view) and permute of DTensors: the global result is numpy's, nothing is sent, and
+a sharded reshape is refused exactly when no layout of the result holds the pieces as they
+are (checked by brute force over every dimension of the result)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pluribus as pb
+import pytest
+from dtensor_helpers import CountingPlugin, layout_cases
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from pluribus.dtensor import Layout, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from pluribus.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@st.composite
+def _new_shapes(draw, shape):
+    """A shape of as many elements: neighbours merged or split, ones added or dropped, or the
+    prime factors dealt out at random."""
+    total = math.prod(shape)
+    if total == 0:
+        return (*draw(st.lists(st.integers(0, 4), max_size=2)), 0)
+    way = draw(st.sampled_from(["merge", "split", "ones", "deal"]))
+    dims = list(shape)
+    if way == "merge" and len(dims) > 1:
+        i = draw(st.integers(0, len(dims) - 2))
+        dims[i : i + 2] = [dims[i] * dims[i + 1]]
+    elif way == "split" and dims:
+        i = draw(st.integers(0, len(dims) - 1))
+        factors = [f for f in range(1, dims[i] + 1) if dims[i] % f == 0]
+        f = draw(st.sampled_from(factors))
+        dims[i : i + 1] = [f, dims[i] // f]
+    elif way == "ones":
+        dims = [n for n in dims if n != 1]
+        for _ in range(draw(st.integers(0, 2))):
+            dims.insert(draw(st.integers(0, len(dims))), 1)
+    else:
+        primes, n, p = [], total, 2
+        while n > 1:
+            while n % p == 0:
+                primes.append(p)
+                n //= p
+            p += 1
+        bins = draw(st.integers(1, 4)) if primes else draw(st.integers(0, 2))
+        dims = [1] * bins
+        for q in primes:
+            dims[draw(st.integers(0, bins - 1))] *= q
+    if draw(st.booleans()) and dims:  # numpy's -1
+        dims[draw(st.integers(0, len(dims) - 1))] = -1
+    return tuple(dims)
+
+
+def _expressible(old_layout: Layout, mesh_shape, new_shape) -> bool:
+    """Whether some layout of ``new_shape`` gives every rank the elements it holds now: per
+    sharded mesh dimension, some dimension of the result and sizes along it that select the
+    same row-major indices on every index of that mesh dimension."""
+    total = math.prod(new_shape)
+    flat = np.arange(total)
+    old = np.unravel_index(flat, old_layout.shape)
+    for m, p in enumerate(old_layout.placements):
+        if not isinstance(p, Shard):
+            continue
+        held = old_layout.sizes[m]
+        starts = np.cumsum((0, *held))
+        mine = [(old[p.dim] >= starts[k]) & (old[p.dim] < starts[k + 1]) for k in range(len(held))]
+        found = False
+        for e, length in enumerate(new_shape):
+            new = np.unravel_index(flat, new_shape)[e]
+            counts = [int(s.sum()) * length // total if total else 0 for s in mine]
+            bounds = np.cumsum((0, *counts))
+            if bounds[-1] == length and all(
+                np.array_equal(s, (new >= bounds[k]) & (new < bounds[k + 1]))
+                for k, s in enumerate(mine)
+            ):
+                found = True
+                break
+        if not found:
+            return False
+    return True
+
+
+def _reshaped(mesh_shape, shape, placements, dtype, new_shape, counting):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    whole = np.arange(math.prod(shape), dtype=dtype).reshape(shape)
+    x = distribute_tensor(whole, mesh, placements)
+    mark = counting.mark(pb.get_rank())
+    try:
+        y = x.reshape(new_shape)
+    except ValueError as e:
+        return x.layout, str(e), None, counting.since(pb.get_rank(), mark)
+    sent = counting.since(pb.get_rank(), mark)
+    local = y.to_local()
+    own = not np.shares_memory(local, x.to_local()) and local.flags.c_contiguous
+    return x.layout, None, (y.full_tensor(), list(y.placements), own), sent
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_reshape_is_numpys_and_refused_only_where_no_layout_holds_the_pieces(data):
+    mesh, shape, placements, dtype = data.draw(layout_cases(largest=8))
+    free = [d for d in range(len(shape)) if Shard(d) not in placements[1:]]
+    if free and data.draw(st.booleans()):  # most cases worth having shard something
+        placements = [Shard(data.draw(st.sampled_from(free))), *placements[1:]]
+    new_shape = data.draw(_new_shapes(shape))
+    counting = CountingPlugin()
+    manager = pb.get_plugin_manager()
+    manager.register(counting, name="test-dtensor-shapes-counting")
+    try:
+        results = run_ranks(
+            _reshaped,
+            math.prod(mesh),
+            args=(mesh, shape, placements, dtype, new_shape, counting),
+        )
+    finally:
+        manager.unregister(name="test-dtensor-shapes-counting")
+    want = np.arange(math.prod(shape), dtype=dtype).reshape(shape).reshape(new_shape)
+    errors = {error is None for _, error, _, _ in results}
+    assert len(errors) == 1, results  # every rank decides alike
+    layout, error, made, sent = results[0]
+    assert all(s == [] for *_, s in results)
+    sharded = any(isinstance(p, Shard) for p in placements)
+    event(f"{'refused' if error else 'reshaped'}{' with a shard' if sharded else ''}")
+    if error is None:
+        for _, _, (whole, got_placements, own), _ in results:
+            np.testing.assert_array_equal(whole, want)
+            assert own
+            assert [type(p) for p in got_placements] == [type(p) for p in placements]
+            assert [p for p in got_placements if not isinstance(p, Shard)] == [
+                p for p in placements if not isinstance(p, Shard)
+            ]
+    else:
+        assert error.startswith("rank 0: reshape") and "redistribute mesh dimension" in error
+        empty_with_shard = want.size == 0 and any(isinstance(p, Shard) for p in placements)
+        # a shard held whole by one rank could move anywhere; the rule asks for a redistribute
+        degenerate = any(
+            isinstance(p, Shard) and max(layout.sizes[m]) == shape[p.dim]
+            for m, p in enumerate(placements)
+        )
+        if not (empty_with_shard or degenerate):
+            assert not _expressible(layout, mesh, want.shape), (error, new_shape)
+            event("refused: no layout of the result holds the pieces")
+
+
+def _named_cases():
+    mesh = init_device_mesh("cpu", (2,))
+    whole = np.arange(24.0).reshape(4, 6)
+    rows = distribute_tensor(whole, mesh, [Shard(0)])
+    cols = distribute_tensor(whole, mesh, [Shard(1)])
+    split = rows.view(2, 2, 3, 2)  # rows (2 + 2) become blocks of the first new dimension
+    merged = rows.reshape(-1)
+    heads = distribute_tensor(np.arange(48.0).reshape(2, 24), mesh, [Shard(1)]).reshape(2, 4, 6)
+    permuted = distribute_tensor(np.arange(24.0).reshape(2, 3, 4), mesh, [Shard(2)]).permute(
+        2, 0, 1
+    )
+    partial = distribute_tensor(whole, mesh, [Partial()]).reshape(6, 4)
+    errors = []
+    for call in (
+        lambda: cols.reshape(24),  # columns 0-2 of every row: not a block of 24
+        lambda: rows.reshape(5, 5),
+        lambda: rows.reshape(-1, -1),
+        lambda: rows.reshape(2.5, 2),
+        lambda: rows.permute(0, 0),
+        lambda: rows.permute(0, 2),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return (
+        (split.placements, split.layout.sizes, split.full_tensor()),
+        (merged.placements, merged.layout.sizes),
+        (heads.placements, heads.layout.sizes, heads.full_tensor()),
+        (permuted.placements, permuted.full_tensor()),
+        (partial.placements, partial.full_tensor()),
+        rows.T.placements,
+        errors,
+    )
+
+
+def test_named_reshapes_and_permutes():
+    for rank, result in enumerate(run_ranks(_named_cases, 2)):
+        split, merged, heads, permuted, partial, transposed, errors = result
+        assert split[:2] == ((Shard(0),), ((1, 1),))
+        np.testing.assert_array_equal(split[2], np.arange(24.0).reshape(2, 2, 3, 2))
+        assert merged == ((Shard(0),), ((12, 12),))
+        # the hidden dimension of 24 split into 4 heads of 6: the shard moves to the heads
+        assert heads[:2] == ((Shard(1),), ((2, 2),))
+        np.testing.assert_array_equal(heads[2], np.arange(48.0).reshape(2, 4, 6))
+        assert permuted[0] == (Shard(0),)
+        np.testing.assert_array_equal(
+            permuted[1], np.arange(24.0).reshape(2, 3, 4).transpose(2, 0, 1)
+        )
+        assert partial[0] == (Partial(),)
+        np.testing.assert_array_equal(partial[1], np.arange(24.0).reshape(6, 4))
+        assert transposed == (Shard(1),)
+        assert all(e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "reshape (4, 6) -> (24,) of Shard(1) on mesh dimension 0" in errors[0]
+        assert "redistribute mesh dimension 0 to Replicate first" in errors[0]
+        assert "cannot reshape a DTensor of shape (4, 6) into (5, 5)" in errors[1]
+        assert "at most one of them -1" in errors[2] and "at most one of them -1" in errors[3]
+        assert "permute of a 2-d DTensor takes each of its dimensions once" in errors[4]
+        assert "permute of a 2-d DTensor" in errors[5]
+
+
+def test_replicated_reshapes_of_any_shape_pass_through():
+    def reshaped():
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(np.arange(12.0), mesh, [Replicate()])
+        return x.reshape(3, 1, 4).placements, x.reshape(3, 1, 4).to_local()
+
+    for placements, local in run_ranks(reshaped, 2):
+        assert placements == (Replicate(),)
+        np.testing.assert_array_equal(local, np.arange(12.0).reshape(3, 1, 4))
