@@ -397,6 +397,10 @@ class DTensor:
 
     view = reshape
 
+    def __getitem__(self, index):
+        """numpy's basic indexing, without communicating (:func:`ops.getitem`)."""
+        return _ops().getitem(self, index)
+
 
 def _one_or_many(args: tuple) -> Any:
     """torch's ``*dims``: integers, or one sequence of them."""

@@ -330,6 +330,119 @@ def reshape(x: DTensor, shape: Any) -> DTensor:
     return DTensor(local, x.device_mesh, layout)
 
 
+def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
+    """numpy's basic index as one entry per dimension of the result or of ``shape``: ``("new",
+    None)`` for a ``None``, ``("int", i)`` (non-negative) and ``("slice", range)`` for the
+    dimension they index; dimensions past the index are whole slices."""
+    items = index if isinstance(index, tuple) else (index,)
+    if builtins.sum(item is Ellipsis for item in items) > 1:
+        raise IndexError(f"rank {_rank()}: an index can only have a single ellipsis")
+    for item in items:
+        if item is None or item is Ellipsis or isinstance(item, slice):
+            continue
+        if isinstance(item, (bool, np.bool_)) or not hasattr(item, "__index__"):
+            raise TypeError(
+                f"rank {_rank()}: a DTensor takes basic indices (integers, slices, None, ...); "
+                f"got {type(item).__name__}: index x.full_tensor() or x.to_local() for advanced "
+                "indexing"
+            )
+    used = builtins.sum(item is not None and item is not Ellipsis for item in items)
+    if used > len(shape):
+        raise IndexError(
+            f"rank {_rank()}: too many indices for a {len(shape)}-d DTensor: {used} were indexed"
+        )
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = (*items[:k], *(slice(None),) * (len(shape) - used), *items[k + 1 :])
+    else:
+        items = (*items, *(slice(None),) * (len(shape) - used))
+    out, d = [], 0
+    for item in items:
+        if item is None:
+            out.append(("new", None))
+            continue
+        n = shape[d]
+        if isinstance(item, slice):
+            out.append(("slice", range(*item.indices(n))))
+        else:
+            i = operator.index(item)
+            if not -n <= i < n:
+                raise IndexError(
+                    f"rank {_rank()}: index {i} is out of bounds for dimension {d} of size {n}"
+                )
+            out.append(("int", i % n))
+        d += 1
+    return out
+
+
+def getitem(x: DTensor, index: Any) -> DTensor:
+    """numpy's basic indexing (``x[2:7]``, ``x[:, 0]``, ``x[..., None]``), without
+    communicating. Unsharded dimensions are indexed in every piece. A sharded dimension takes
+    slices of positive step: each rank keeps the part of its range the slice selects, and the
+    new layout records those sizes (uneven, zero included). An integer or a negative step on a
+    sharded dimension is refused, naming the redistribute: the result would lie on one rank,
+    or in the reverse order of the mesh. Replicate and Partial pass through."""
+    entries = _basic_index(index, x.shape)
+    chosen = [value for kind, value in entries if kind != "new"]  # per dimension of x
+    kept_at, d, j = {}, 0, 0  # a sliced dimension of x -> its dimension in the result
+    for kind, _ in entries:
+        if kind == "slice":
+            kept_at[d] = j
+        d += kind != "new"
+        j += kind != "int"
+    coordinate = x.device_mesh.coordinate
+    placements, sizes, local = list(x.placements), list(x.layout.sizes), list(chosen)
+    for m, p in enumerate(x.placements):
+        if not isinstance(p, Shard):
+            continue
+        picked = chosen[p.dim]
+        if isinstance(picked, int) or picked.step < 0:
+            what = f"the integer {picked}" if isinstance(picked, int) else "a negative step"
+            _fail(
+                f"indexing dimension {p.dim}, sharded by mesh dimension {m}, with {what}: the "
+                f"result would not be a layout of the mesh; redistribute mesh dimension {m} to "
+                "Replicate first (or take a slice of positive step)"
+            )
+        start, kept = 0, []
+        for k, n in enumerate(x.layout.sizes[m]):
+            part = _within(picked, start, start + n)
+            kept.append(len(part))
+            if k == coordinate[m]:  # in this rank's piece's own indices
+                local[p.dim] = range(part.start - start, part.stop - start, part.step)
+            start += n
+        placements[m], sizes[m] = Shard(kept_at[p.dim]), tuple(kept)
+    local_index, d = [], 0
+    for kind, _ in entries:
+        if kind == "new":
+            local_index.append(None)
+            continue
+        value = local[d]
+        local_index.append(value if isinstance(value, int) else _as_slice(value))
+        d += 1
+    shape = tuple(1 if kind == "new" else len(v) for kind, v in entries if kind != "int")
+    layout = Layout(shape, tuple(placements), tuple(sizes))
+    # a copy: a view would share the piece (each DTensor owns its own) and may be strided
+    piece = x.to_local()[tuple(local_index)].copy()
+    return DTensor(piece, x.device_mesh, layout)
+
+
+def _within(r: range, lo: int, hi: int) -> range:
+    """The part of ``r`` (a positive step) with values in [lo, hi)."""
+
+    def before(v: int) -> int:  # how many values of r are below v
+        return len(range(r.start, builtins.max(r.start, builtins.min(v, r.stop)), r.step))
+
+    return r[before(lo) : before(hi)]
+
+
+def _as_slice(r: range) -> slice:
+    """The slice that selects ``r``: an empty one selects nothing whatever its bounds, and a
+    negative step's stop below 0 means "to the start"."""
+    if not r:
+        return slice(0, 0)
+    return slice(r.start, r.stop if r.stop >= 0 else None, r.step)
+
+
 # -- reductions ------------------------------------------------------------------------------
 
 

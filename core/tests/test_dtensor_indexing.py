@@ -1,0 +1,150 @@
+"""Basic indexing of DTensors: the global result is numpy's, nothing is sent, a slice of a
+sharded dimension leaves each rank its part (the new sizes recorded), and exactly the indices
+that would leave the result on one rank or in reverse mesh order are refused."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pluribus as pb
+import pytest
+from dtensor_helpers import CountingPlugin, layout_cases
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from pluribus.dtensor import Partial, Shard, distribute_tensor, init_device_mesh
+from pluribus.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@st.composite
+def _indices(draw, shape):
+    """A basic index of ``shape``: per dimension an integer or a slice of any bounds and step,
+    maybe fewer than the dimensions, Nones put in, and an Ellipsis for a run of whole ones."""
+    items = []
+    for n in shape[: draw(st.integers(0, len(shape)))]:
+        if n and draw(st.integers(0, 3)) == 0:
+            items.append(draw(st.integers(-n, n - 1)))
+        else:
+            bound = st.none() | st.integers(-n - 2, n + 2)
+            step = draw(st.sampled_from([None, 1, 2, 3, -1, -2]))
+            items.append(slice(draw(bound), draw(bound), step))
+    if draw(st.booleans()):
+        k = draw(st.integers(0, len(items)))
+        items[k:k] = [Ellipsis]
+    for _ in range(draw(st.integers(0, 2))):
+        items.insert(draw(st.integers(0, len(items))), None)
+    return tuple(items) if len(items) != 1 or draw(st.booleans()) else items[0]
+
+
+def _per_dimension(index, ndim):
+    """The item that indexes each dimension (whole slices where the index says nothing)."""
+    items = [i for i in (index if isinstance(index, tuple) else (index,)) if i is not None]
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items[k : k + 1] = [slice(None)] * (ndim - len(items) + 1)
+    return items + [slice(None)] * (ndim - len(items))
+
+
+def _indexed(mesh_shape, shape, placements, dtype, index, counting):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    x = distribute_tensor(np.arange(math.prod(shape), dtype=dtype).reshape(shape), mesh, placements)
+    mark = counting.mark(pb.get_rank())
+    try:
+        y = x[index]
+    except ValueError as e:
+        return str(e), None, counting.since(pb.get_rank(), mark)
+    sent = counting.since(pb.get_rank(), mark)
+    local = y.to_local()
+    own = not np.shares_memory(local, x.to_local()) and local.flags.c_contiguous
+    return None, (y.full_tensor(), list(y.placements), y.layout.sizes, own), sent
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_indexing_is_numpys_and_refused_exactly_where_no_layout_holds_it(data):
+    mesh, shape, placements, dtype = data.draw(layout_cases(largest=7))
+    free = [d for d in range(len(shape)) if Shard(d) not in placements[1:]]
+    if free and data.draw(st.booleans()):  # most cases worth having shard something
+        placements = [Shard(data.draw(st.sampled_from(free))), *placements[1:]]
+    index = data.draw(_indices(shape))
+    counting = CountingPlugin()
+    manager = pb.get_plugin_manager()
+    manager.register(counting, name="test-dtensor-indexing-counting")
+    try:
+        results = run_ranks(
+            _indexed, math.prod(mesh), args=(mesh, shape, placements, dtype, index, counting)
+        )
+    finally:
+        manager.unregister(name="test-dtensor-indexing-counting")
+    want = np.arange(math.prod(shape), dtype=dtype).reshape(shape)[index]
+    items = _per_dimension(index, len(shape))
+    refusable = any(
+        isinstance(p, Shard)
+        and (not isinstance(items[p.dim], slice) or (items[p.dim].step or 1) < 0)
+        for p in placements
+    )
+    assert all(sent == [] for *_, sent in results)
+    errors = [error for error, _, _ in results]
+    if refusable:
+        event("refused")
+        assert all(e is not None and "redistribute mesh dimension" in e for e in errors), errors
+        return
+    event("indexed" + (" a sharded array" if any(isinstance(p, Shard) for p in placements) else ""))
+    assert errors == [None] * len(results), errors
+    for _, (whole, got, sizes, own), _ in results:
+        np.testing.assert_array_equal(whole, want)
+        assert own
+        assert [type(p) for p in got] == [type(p) for p in placements]
+        for m, p in enumerate(got):  # a shard's sizes add up to its dimension of the result
+            if isinstance(p, Shard):
+                assert sum(sizes[m]) == want.shape[p.dim]
+
+
+def _named():
+    mesh = init_device_mesh("cpu", (2,))
+    whole = np.arange(30.0).reshape(5, 6)
+    rows = distribute_tensor(whole, mesh, [Shard(0)])  # rows 0-2 and 3-4
+    window = rows[1:4]
+    strided = rows[None, ::2, 4]
+    partial = distribute_tensor(whole, mesh, [Partial()])[2, 1:3]
+    errors = []
+    for call in (
+        lambda: rows[1],
+        lambda: rows[::-1],
+        lambda: rows[[0, 1]],
+        lambda: rows[0:2, 0:2, 0],
+        lambda: rows[..., ...],
+        lambda: rows[:, 6],
+    ):
+        try:
+            call()
+            errors.append(None)
+        except (TypeError, IndexError, ValueError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return (
+        (window.layout.sizes, window.full_tensor()),
+        (strided.placements, strided.layout.sizes, strided.full_tensor()),
+        (partial.placements, partial.full_tensor()),
+        errors,
+    )
+
+
+def test_named_indices():
+    whole = np.arange(30.0).reshape(5, 6)
+    for rank, (window, strided, partial, errors) in enumerate(run_ranks(_named, 2)):
+        assert window[0] == ((2, 1),)  # rows 1-2 on rank 0, row 3 on rank 1
+        np.testing.assert_array_equal(window[1], whole[1:4])
+        assert strided[:2] == ((Shard(1),), ((2, 1),))
+        np.testing.assert_array_equal(strided[2], whole[None, ::2, 4])
+        assert partial[0] == (Partial(),)
+        np.testing.assert_array_equal(partial[1], whole[2, 1:3])
+        assert all(e.split(": ", 1)[1].startswith(f"rank {rank}: ") for e in errors), errors
+        assert "ValueError" in errors[0] and "with the integer 1" in errors[0]
+        assert "redistribute mesh dimension 0 to Replicate first" in errors[0]
+        assert "ValueError" in errors[1] and "with a negative step" in errors[1]
+        assert "TypeError" in errors[2] and "basic indices" in errors[2]
+        assert "IndexError" in errors[3] and "too many indices for a 2-d DTensor" in errors[3]
+        assert "IndexError" in errors[4] and "single ellipsis" in errors[4]
+        assert "IndexError" in errors[5] and "index 6 is out of bounds for dimension 1" in errors[5]
