@@ -23,9 +23,12 @@ def _placement(draw, ndim: int):
 
 
 @st.composite
-def layout_cases(draw, dtypes=("float32", "float64", "int64"), largest: int = 5):
+def layout_cases(
+    draw, dtypes=("float32", "float64", "int64"), largest: int = 5, favour_shards: bool = False
+):
     """A mesh shape (up to 4 ranks), a global shape of up to 3 dimensions (sizes 0 to
-    ``largest``, so smaller than the mesh too), valid placements for both, and a dtype."""
+    ``largest``, so smaller than the mesh too), valid placements for both, and a dtype. With
+    ``favour_shards``, half the cases shard some dimension along the first mesh dimension."""
     mesh = draw(st.sampled_from(MESHES))
     shape = tuple(draw(st.lists(st.integers(0, largest), max_size=3)))
     placements, used = [], set()
@@ -39,6 +42,9 @@ def layout_cases(draw, dtypes=("float32", "float64", "int64"), largest: int = 5)
     ops = {p.op for p in placements if isinstance(p, Partial)}
     if len(ops) > 1:  # Partial ops whose order matters are not mixed
         placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    free = [d for d in range(len(shape)) if Shard(d) not in placements[1:]]
+    if favour_shards and free and draw(st.booleans()):
+        placements[0] = Shard(draw(st.sampled_from(free)))
     dtype = draw(st.sampled_from(dtypes))
     if dtype == "int64":  # an average of integers is refused
         placements = [Partial() if p == Partial("avg") else p for p in placements]

@@ -29,9 +29,15 @@ def _reference(shape, seed, dtype, normal):
     return values.astype(dtype).reshape(shape)
 
 
-def _whole(dtensor):
-    """The global value; Partial("sum") pieces summed, as full_tensor would."""
-    return dtensor.full_tensor()
+def _piece_and_where(dtensor):
+    """This rank's piece, the slices of the whole array it holds, and whether it is a zero term
+    of a Partial("sum") (the value lives on the first rank of that mesh dimension)."""
+    mesh = dtensor.device_mesh
+    zero = any(
+        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
+        for m, p in enumerate(dtensor.placements)
+    )
+    return dtensor.to_local(), dtensor.layout.local_slices(mesh.coordinate), zero
 
 
 def _drawn(mesh_shape, shape, placements, dtype, seed, counting):
@@ -42,7 +48,7 @@ def _drawn(mesh_shape, shape, placements, dtype, seed, counting):
         "randn": randn(shape, device_mesh=mesh, placements=placements, dtype=dtype, seed=seed),
     }
     sent = counting.since(pb.get_rank(), mark)
-    return {name: (d.dtype, d.placements, _whole(d)) for name, d in made.items()}, sent
+    return {name: (d.dtype, d.placements, _piece_and_where(d)) for name, d in made.items()}, sent
 
 
 @settings(max_examples=25, deadline=None)
@@ -60,12 +66,13 @@ def test_every_layout_holds_the_same_array_as_one_process_draws(case):
     finally:
         manager.unregister(name="test-dtensor-random-counting")
     for made, sent in results:
-        # nothing sent to draw (the full_tensor calls after the mark's window are not counted)
         assert sent == [], case
-        for name, (got_dtype, got_placements, whole) in made.items():
+        for name, (got_dtype, got_placements, (piece, where, zero)) in made.items():
             want = _reference(shape, seed, np.dtype(dtype), name == "randn")
             assert got_dtype == np.dtype(dtype) and list(got_placements) == placements
-            np.testing.assert_array_equal(whole, want, err_msg=f"{name} {case}")
+            # every rank's piece is exactly its box of the one array (a sum's other terms 0)
+            expected = np.zeros_like(want[where]) if zero else want[where]
+            np.testing.assert_array_equal(piece, expected, err_msg=f"{name} {case}")
 
 
 def test_runs_cover_a_box_in_its_own_order():
