@@ -215,6 +215,32 @@ def test_prepend_runs_a_hook_before_those_registered_earlier():
     np.testing.assert_array_equal(layer.backward(np.ones((1, 1), np.float32)), [[(10 + 1) * 7]])
 
 
+def test_hooks_with_kwargs_see_and_replace_keyword_arguments():
+    """torch's ``with_kwargs=True``: a pre hook gets ``(module, args, kwargs)`` and may return
+    ``(args, kwargs)``; a forward hook gets ``(module, args, kwargs, output)``; removing the
+    handle removes the hook; a pre hook that returns anything else is refused by name."""
+
+    class Scaled(nn.Module):
+        def forward(self, x, *, scale=1.0):
+            return x * scale
+
+    layer, seen = Scaled(), []
+    layer.register_forward_pre_hook(lambda m, args: (args[0] + 1,))  # without kwargs, mixed in
+    handle = layer.register_forward_pre_hook(
+        lambda m, args, kwargs: (args, {**kwargs, "scale": kwargs["scale"] * 10}), with_kwargs=True
+    )
+    layer.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((args, dict(kwargs))) or out - 1, with_kwargs=True
+    )
+    assert layer(np.float64(2.0), scale=3.0) == (2 + 1) * 30 - 1
+    assert seen == [((3.0,), {"scale": 30.0})]
+    handle.remove()
+    assert layer(np.float64(2.0), scale=3.0) == (2 + 1) * 3 - 1
+    layer.register_forward_pre_hook(lambda m, args, kwargs: args, with_kwargs=True)
+    with pytest.raises(RuntimeError, match=r"with_kwargs=True returned tuple; it must return"):
+        layer(np.float64(2.0), scale=3.0)
+
+
 def test_a_subclass_calling_super_forward_runs_its_hooks_once():
     class Shifted(nn.Linear):
         def forward(self, x):

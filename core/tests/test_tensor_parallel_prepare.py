@@ -337,6 +337,66 @@ def test_prepare_module_input_with_several_inputs_and_none_entries(world, first_
     assert run_ranks(_several_inputs, world, args=(first_only,)) == [True] * world
 
 
+class KeywordProbe(Probe):
+    """A Probe whose forward also takes keyword inputs, kept in ``seen_kwargs``."""
+
+    def forward(self, *args, **kwargs):
+        self.seen_kwargs = kwargs
+        return super().forward(*args)
+
+
+def _keyword_inputs(with_positional: bool):
+    """torch's input_kwarg_layouts: a keyword table gathered (its sizes from the ranks) and a
+    keyword mask cut, forward only; a name not passed is skipped; the positional input moves
+    as before, or is left alone when only keyword layouts are given."""
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    rank, world = pb.get_rank(), pb.get_world_size()
+    rng = np.random.default_rng(3)
+    x, table, mask = rng.normal(size=(2, 5, 3)), rng.normal(size=(5, 4)), rng.normal(size=(6, 2))
+    positional = {}
+    if with_positional:
+        positional = {"input_layouts": Shard(1), "desired_input_layouts": Replicate()}
+    probe = KeywordProbe()
+    parallelize_module(
+        probe,
+        mesh,
+        PrepareModuleInput(
+            **positional,
+            input_kwarg_layouts={"table": Shard(0), "mask": Replicate(), "absent": Shard(0)},
+            desired_input_kwarg_layouts={
+                "table": Replicate(), "mask": Shard(0), "absent": Replicate()
+            },
+        ),
+    )  # fmt: skip
+    given = piece(x, Shard(1), rank, world) if with_positional else x
+    probe.forward(given, table=piece(table, Shard(0), rank, world), mask=mask, scale=2.0)
+    np.testing.assert_array_equal(probe.seen[0], x)
+    np.testing.assert_array_equal(probe.seen_kwargs["table"], table)
+    np.testing.assert_array_equal(probe.seen_kwargs["mask"], piece(mask, Shard(0), rank, world))
+    assert probe.seen_kwargs["scale"] == 2.0 and "absent" not in probe.seen_kwargs
+    g = rng.normal(size=x.shape)
+    probe.grad_input = g
+    back = probe.backward(np.zeros(1))
+    want = piece(g, Shard(1), rank, world) if with_positional else g
+    np.testing.assert_array_equal(back, want)
+    # a keyword value the layouts do not fit is refused at forward, naming it
+    try:
+        probe.forward(given, table=np.zeros(()), mask=mask)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("with_positional", [True, False])
+def test_prepare_module_input_moves_keyword_inputs(world, with_positional):
+    for rank, error in enumerate(run_ranks(_keyword_inputs, world, args=(with_positional,))):
+        assert error is not None and error.startswith(f"rank {rank}")
+        assert "keyword input table of KeywordProbe()" in error
+        assert "has shape (), which has no dimension 0 for Shard(0)" in error
+
+
 def _output_moves():
     """One output cut (Replicate -> Shard(0)), its gradient gathered; a tuple of outputs with
     one left alone and one gathered (Shard(1) -> Replicate), their gradients cut."""
@@ -474,7 +534,7 @@ def _refusals(counting: CountingPlugin):
     )
     refused(
         lambda: PMI(
-            input_kwarg_layouts={"x": Shard(1)}, desired_input_kwarg_layouts={"x": Replicate()}
+            input_kwarg_layouts={"x": Shard(1)}, desired_input_kwarg_layouts={"y": Replicate()}
         )
     )
     refused(lambda: PMI(input_layouts="shard", desired_input_layouts=Replicate()))
@@ -524,7 +584,7 @@ def test_bad_arguments_are_refused_on_every_rank_before_anything_is_hooked_or_se
         ("ValueError", "PrepareModuleInput(input_layouts[0]=Partial())"),
         ("ValueError", "None leaves that input as it is, so it goes in both or neither"),
         ("ValueError", "use_local_output=True is the only choice"),
-        ("ValueError", "positional inputs only"),
+        ("ValueError", "give two dicts with the same keyword names"),
         ("TypeError", "give a Placement"),
         ("TypeError", "PrepareModuleInput(input_layouts=None)"),
         ("ValueError", "one layout and one desired layout per positional output"),

@@ -48,6 +48,16 @@ def _registered(hooks: list, hook: Callable, prepend: bool) -> RemovableHandle:
     return RemovableHandle(hooks, hook)
 
 
+class _WithKwargs:
+    """A forward hook registered with ``with_kwargs=True``: it also takes (and a pre hook may
+    replace) the keyword arguments of forward."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable):
+        self.hook = hook
+
+
 class Parameter:
     """A trainable array and its gradient (``None`` until the first backward)."""
 
@@ -205,14 +215,21 @@ class Module:
     # ``prepend=True`` (torch's) runs the hook before those registered earlier.
 
     def register_forward_pre_hook(
-        self, hook: Callable, *, prepend: bool = False
+        self, hook: Callable, *, prepend: bool = False, with_kwargs: bool = False
     ) -> RemovableHandle:
-        """``hook(module, args)`` before forward; may return new args (a tuple, or one value)."""
-        return _registered(self._forward_pre_hooks, hook, prepend)
+        """``hook(module, args)`` before forward; may return new args (a tuple, or one value).
+        With ``with_kwargs``, ``hook(module, args, kwargs)``, which may return ``(args,
+        kwargs)``."""
+        return _registered(
+            self._forward_pre_hooks, _WithKwargs(hook) if with_kwargs else hook, prepend
+        )
 
-    def register_forward_hook(self, hook: Callable, *, prepend: bool = False) -> RemovableHandle:
-        """``hook(module, args, output)`` after forward; may return a new output."""
-        return _registered(self._forward_hooks, hook, prepend)
+    def register_forward_hook(
+        self, hook: Callable, *, prepend: bool = False, with_kwargs: bool = False
+    ) -> RemovableHandle:
+        """``hook(module, args, output)`` after forward; may return a new output. With
+        ``with_kwargs``, ``hook(module, args, kwargs, output)``."""
+        return _registered(self._forward_hooks, _WithKwargs(hook) if with_kwargs else hook, prepend)
 
     def register_full_backward_pre_hook(
         self, hook: Callable, *, prepend: bool = False
@@ -344,12 +361,20 @@ def _forward_with_hooks(forward: Callable) -> Callable:
         running.add(_FORWARD)  # a subclass calling super().forward runs the hooks once
         try:
             for hook in list(self._forward_pre_hooks):
+                if type(hook) is _WithKwargs:
+                    result = hook.hook(self, args, kwargs)
+                    if result is not None:
+                        args, kwargs = _args_and_kwargs(hook.hook, result)
+                    continue
                 result = hook(self, args)
                 if result is not None:
                     args = result if isinstance(result, tuple) else (result,)
             output = forward(self, *args, **kwargs)
             for hook in list(self._forward_hooks):
-                result = hook(self, args, output)
+                if type(hook) is _WithKwargs:
+                    result = hook.hook(self, args, kwargs, output)
+                else:
+                    result = hook(self, args, output)
                 if result is not None:
                     output = result
             return output
@@ -357,6 +382,21 @@ def _forward_with_hooks(forward: Callable) -> Callable:
             running.discard(_FORWARD)
 
     return run
+
+
+def _args_and_kwargs(hook: Callable, result: Any) -> tuple[tuple, dict]:
+    """What a ``with_kwargs`` pre hook returned, checked: ``(args, kwargs)`` (torch's rule)."""
+    if (
+        not isinstance(result, tuple)
+        or len(result) != 2
+        or not isinstance(result[0], tuple)
+        or not isinstance(result[1], dict)
+    ):
+        raise RuntimeError(
+            f"forward pre hook {hook!r} registered with with_kwargs=True returned "
+            f"{type(result).__name__}; it must return None or a tuple (args, kwargs)"
+        )
+    return result
 
 
 def _backward_with_hooks(backward: Callable) -> Callable:

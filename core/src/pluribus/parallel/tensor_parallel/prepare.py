@@ -1,5 +1,5 @@
 """torch's ``PrepareModuleInput``, ``PrepareModuleOutput`` (and the two as one,
-``PrepareModuleInputOutput``): a module's positional inputs (or outputs) moved from the layout
+``PrepareModuleInputOutput``): a module's inputs (or outputs) moved from the layout
 they come in to the one wanted, and their gradients moved back, so that a plan ported from
 torch can say where a sequence is gathered or cut (before attention, after a position table).
 Nothing is split; each move is one redistribute (``move``).
@@ -57,14 +57,18 @@ def _pairs(style: str, what: str, names: tuple[str, str], given: Layouts, wanted
     return tuple(zip(*tuples, strict=True))
 
 
-def _check(values: tuple, pairs: Pairs, mesh: DeviceMesh, what: str, module: Module) -> None:
-    """Refuse, before anything is sent, values that the layouts do not fit."""
+def _check(
+    values: tuple, pairs: Pairs, mesh: DeviceMesh, what: str, module: Module, names=None
+) -> None:
+    """Refuse, before anything is sent, values that the layouts do not fit (``names``: how to
+    call each value, by default its position)."""
+    names = names or range(len(values))
     if len(values) != len(pairs):
         raise ValueError(
             f"{rank_text(mesh)}: {module!r} has {len(values)} positional {what}(s) but its "
             f"Prepare layouts name {len(pairs)}; give one per {what} (None for one left alone)"
         )
-    for k, (value, (src, dst)) in enumerate(zip(values, pairs, strict=True)):
+    for k, value, (src, dst) in zip(names, values, pairs, strict=True):
         if src is None or src == dst:
             continue
         ndim = getattr(value, "ndim", None)
@@ -80,6 +84,34 @@ def _check(values: tuple, pairs: Pairs, mesh: DeviceMesh, what: str, module: Mod
                     f"{tuple(value.shape)}, which has no dimension {layout.dim} for {layout!r}; "
                     "give the layouts of dimensions it has"
                 )
+
+
+def _kwarg_pairs(given: dict | None, wanted: dict | None) -> dict[str, tuple]:
+    """The (layout, desired layout) of each keyword input by name, checked: dicts of
+    Placements with the same names, no Partial."""
+    given, wanted = given or {}, wanted or {}
+    if not isinstance(given, dict) or not isinstance(wanted, dict) or given.keys() != wanted.keys():
+        raise ValueError(
+            f"rank {dist.get_rank()}: PrepareModuleInput(input_kwarg_layouts={given!r}, "
+            f"desired_input_kwarg_layouts={wanted!r}): give two dicts with the same keyword "
+            "names, a layout and a desired layout for each"
+        )
+    for name in given:
+        for layouts, layout in (
+            ("input_kwarg_layouts", given),
+            ("desired_input_kwarg_layouts", wanted),
+        ):
+            if not isinstance(layout[name], Placement):
+                raise TypeError(
+                    f"rank {dist.get_rank()}: PrepareModuleInput({layouts}[{name!r}]="
+                    f"{layout[name]!r}): give a Placement (Replicate(), Shard(d))"
+                )
+        _no_partial(
+            "PrepareModuleInput",
+            **{f"input_kwarg_layouts[{name!r}]": given[name],
+               f"desired_input_kwarg_layouts[{name!r}]": wanted[name]},
+        )  # fmt: skip
+    return {name: (given[name], wanted[name]) for name in given}
 
 
 def _same(src: Placement, dst: Placement, ndim: int) -> bool:
@@ -149,8 +181,12 @@ class PrepareModuleInput(ParallelStyle):
     the styles were applied: the inputs move before any other style's forward hook, and their
     gradients after any other style's backward hook (a split's sum of partial gradients).
 
-    Keyword inputs cannot be moved: pluribus.nn's forward hooks see the positional ones only.
-    ``use_local_output`` is True only (torch's default is False, handing the module DTensors).
+    Keyword inputs move with ``input_kwarg_layouts`` and ``desired_input_kwarg_layouts``
+    (dicts by name, the same names in both; a name not passed in a call is skipped), forward
+    only: a pluribus.nn backward gives gradients of positional inputs, so a keyword input is
+    one without a gradient (a mask, a position table). ``input_layouts`` may then be left out,
+    leaving the positional inputs alone. ``use_local_output`` is True only (torch's default is
+    False, handing the module DTensors).
     """
 
     def __init__(
@@ -163,30 +199,41 @@ class PrepareModuleInput(ParallelStyle):
         use_local_output: bool = True,
     ):
         _local_output_only("PrepareModuleInput", use_local_output)
-        if input_kwarg_layouts or desired_input_kwarg_layouts:
-            raise ValueError(
-                f"rank {dist.get_rank()}: PrepareModuleInput(input_kwarg_layouts="
-                f"{input_kwarg_layouts!r}, desired_input_kwarg_layouts="
-                f"{desired_input_kwarg_layouts!r}): pluribus.nn's forward hooks see a module's "
-                "positional inputs only, so a keyword input cannot be moved; pass it "
-                "positionally and give its layouts in input_layouts and desired_input_layouts"
+        self.kwarg_pairs = _kwarg_pairs(input_kwarg_layouts, desired_input_kwarg_layouts)
+        if self.kwarg_pairs and input_layouts is None and desired_input_layouts is None:
+            self.pairs = None  # positional inputs left alone, however many
+        else:
+            self.pairs = _pairs(
+                "PrepareModuleInput",
+                "input",
+                ("input_layouts", "desired_input_layouts"),
+                input_layouts,
+                desired_input_layouts,
             )
-        self.pairs = _pairs(
-            "PrepareModuleInput",
-            "input",
-            ("input_layouts", "desired_input_layouts"),
-            input_layouts,
-            desired_input_layouts,
-        )
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
         _claim(module, mesh, "PrepareModuleInput")
-        pairs = self.pairs
+        pairs, kwarg_pairs = self.pairs, self.kwarg_pairs
 
-        def prepare(m: Module, args: tuple) -> tuple:
-            _check(args, pairs, mesh, "input", m)
-            moved, m._tp_input_shapes = _forward(args, pairs, mesh)
-            return tuple(moved)
+        def prepare(m: Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            # every value checked before any moves
+            named = [
+                (name, kwargs[name], pair) for name, pair in kwarg_pairs.items() if name in kwargs
+            ]
+            if named:
+                values, kwpairs = tuple(v for _, v, _ in named), tuple(p for *_, p in named)
+                _check(values, kwpairs, mesh, "keyword input", m, [n for n, _, _ in named])
+            if pairs is not None:
+                _check(args, pairs, mesh, "input", m)
+                moved, m._tp_input_shapes = _forward(args, pairs, mesh)
+                args = tuple(moved)
+            if named:
+                kwargs = dict(kwargs)
+                for (name, *_), value in zip(
+                    named, _forward(values, kwpairs, mesh)[0], strict=True
+                ):
+                    kwargs[name] = value
+            return args, kwargs
 
         def restore(m: Module, grad_input: tuple, grad_output: tuple) -> tuple:
             shapes = _recorded(m, "_tp_input_shapes", "PrepareModuleInput", mesh)
@@ -201,8 +248,9 @@ class PrepareModuleInput(ParallelStyle):
             firsts = (grad,) + (None,) * (len(pairs) - 1)  # the first input's only
             return (_backward(firsts, pairs, shapes, mesh)[0],)
 
-        module.register_forward_pre_hook(prepare, prepend=True)
-        module.register_full_backward_hook(restore)
+        module.register_forward_pre_hook(prepare, prepend=True, with_kwargs=True)
+        if pairs is not None:
+            module.register_full_backward_hook(restore)
         return module
 
 
