@@ -8,8 +8,7 @@ import pluribus as pb
 import pytest
 from dtensor_helpers import CountingPlugin, layout_cases
 from hypothesis import given, settings
-from pluribus.dtensor import Partial, Shard, init_device_mesh, rand, randn
-from pluribus.dtensor.random import runs
+from pluribus.dtensor import Partial, Shard, init_device_mesh, rand, randn, random
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,23 +74,49 @@ def test_every_layout_holds_the_same_array_as_one_process_draws(case):
             np.testing.assert_array_equal(piece, expected, err_msg=f"{name} {case}")
 
 
-def test_runs_cover_a_box_in_its_own_order():
+@pytest.mark.parametrize("jump_cost", [0, 256, 10**9])
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_a_box_is_drawn_alike_by_spans_or_jumps_and_in_any_chunks(monkeypatch, jump_cost, chunk):
+    """Whatever mix of long spans and jumps the cost model picks, and however the outputs are
+    chunked, each box holds the one array's values."""
+    monkeypatch.setattr(random, "JUMP_COST", jump_cost)
+    monkeypatch.setattr(random, "CHUNK", chunk)
     shape = (3, 4, 5)
-    index = np.arange(60).reshape(shape)
-    for offsets, sizes in [
-        ((0, 0, 0), (3, 4, 5)),
-        ((1, 0, 0), (2, 4, 5)),
-        ((0, 1, 0), (3, 2, 5)),
-        ((0, 0, 2), (3, 4, 3)),
-        ((2, 3, 4), (1, 1, 1)),
-        ((0, 0, 0), (3, 0, 5)),
-    ]:
-        box = index[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))].reshape(-1)
-        drawn = [
-            i for first, length in runs(shape, offsets, sizes) for i in range(first, first + length)
-        ]
-        assert drawn == box.tolist(), (offsets, sizes)
-    assert list(runs((), (), ())) == [(0, 1)]  # a 0-d array is one element
+    for normal in (False, True):
+        want = _reference(shape, 11, np.dtype(np.float32), normal)
+        for offsets, sizes in [
+            ((0, 0, 0), (3, 4, 5)),
+            ((1, 0, 0), (2, 4, 5)),
+            ((0, 1, 0), (3, 2, 5)),
+            ((0, 0, 2), (3, 4, 3)),
+            ((1, 2, 1), (2, 1, 3)),
+            ((2, 3, 4), (1, 1, 1)),
+            ((0, 0, 0), (3, 0, 5)),
+        ]:
+            got = random.piece(11, shape, offsets, sizes, np.dtype(np.float32), normal)
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+            np.testing.assert_array_equal(got, want[box], err_msg=f"{offsets} {sizes}")
+    scalar = random.piece(11, (), (), (), np.dtype(np.float64), False)
+    np.testing.assert_array_equal(scalar, _reference((), 11, np.dtype(np.float64), False))
+
+
+def test_few_columns_of_many_rows_are_drawn_in_few_spans(monkeypatch):
+    """A Shard(1) piece of a tall array: spans over several rows, not one jump per row."""
+    jumps = []
+    draw = random._outputs
+    monkeypatch.setattr(random, "_outputs", lambda *args: jumps.append(args[2]) or draw(*args))
+    got = random.piece(5, (20000, 4), (0, 2), (20000, 2), np.dtype(np.float64), False)
+    np.testing.assert_array_equal(
+        got, _reference((20000, 4), 5, np.dtype(np.float64), False)[:, 2:]
+    )
+    assert len(jumps) <= 2
+
+
+def test_bfloat16_is_drawn_exactly_in_its_bits():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    got = random.piece(3, (1000,), (0,), (1000,), np.dtype(ml_dtypes.bfloat16), False)
+    raw = np.random.Philox(key=3).random_raw(1000)
+    np.testing.assert_array_equal(got.astype(np.float64), (raw >> np.uint64(56)) / 2.0**8)
 
 
 def _statistics():

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import distributed as dist
+from ..arrays import bfloat16_dtype
 from ..mesh import DeviceMesh
 from . import random
 from .api import DTensor
@@ -172,7 +173,7 @@ def _seed(seed: Any, mesh: DeviceMesh, xp: Any, what: str) -> int:
 
 def _random(size, device_mesh, placements, dtype, seed, normal: bool, what: str) -> DTensor:
     mesh, layout, dtype, xp = _made(size, device_mesh, placements, dtype, what)
-    if dtype.kind != "f":
+    if dtype.kind != "f" and dtype != bfloat16_dtype():  # bfloat16 counts as a float
         raise TypeError(
             f"rank {dist.get_rank()}: {what} draws floating-point values; got dtype {dtype} "
             f"(pass a float dtype, or draw a float DTensor and convert its pieces)"
