@@ -151,3 +151,37 @@ def test_named_indices():
         assert "IndexError" in errors[3] and "too many indices for a 2-d DTensor" in errors[3]
         assert "IndexError" in errors[4] and "single ellipsis" in errors[4]
         assert "IndexError" in errors[5] and "index 6 is out of bounds for dimension 1" in errors[5]
+
+
+def _odd():
+    mesh = init_device_mesh("cpu", (2,))
+    rows = distribute_tensor(np.arange(30.0).reshape(5, 6), mesh, [Shard(1)])
+    scalar = distribute_tensor(np.float64(5.0), mesh)
+    errors = []
+    for call in (
+        lambda: rows[np.array([0, 1])],  # an array has __index__, but is an advanced index
+        lambda: rows[np.array(True)],
+        lambda: rows[::0],
+        lambda: rows[0:1.5],
+        lambda: list(scalar),
+        lambda: 3.0 in rows,
+    ):
+        try:
+            call()
+            errors.append(None)
+        except (TypeError, IndexError, ValueError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors, [r.full_tensor() for r in rows]
+
+
+def test_arrays_zero_steps_and_iteration():
+    whole = np.arange(30.0).reshape(5, 6)
+    for rank, (errors, listed) in enumerate(run_ranks(_odd, 2)):
+        assert all(
+            e is not None and e.split(": ", 1)[1].startswith(f"rank {rank}: ") for e in errors
+        ), errors
+        assert errors[0].startswith("TypeError") and "basic indices" in errors[0]
+        assert errors[1].startswith("TypeError") and "basic indices" in errors[1]
+        assert errors[2].startswith("ValueError") and errors[3].startswith("TypeError")
+        assert "iteration over a 0-d DTensor" in errors[4]
+        assert len(listed) == 5 and all(np.array_equal(a, b) for a, b in zip(listed, whole))

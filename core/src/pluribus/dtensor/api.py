@@ -401,6 +401,19 @@ class DTensor:
         """numpy's basic indexing, without communicating (:func:`ops.getitem`)."""
         return _ops().getitem(self, index)
 
+    def __iter__(self):
+        """The rows ``x[0], x[1], ...`` (numpy's iteration); a 0-d DTensor is refused, as
+        numpy refuses a 0-d array, instead of iterating zero times."""
+        if not self._layout.shape:
+            raise TypeError(f"rank {_rank()}: iteration over a 0-d DTensor")
+        return (self[i] for i in range(self._layout.shape[0]))
+
+    def __contains__(self, value):
+        # without it, ``in`` would iterate the rows and compare each DTensor row by identity
+        raise TypeError(
+            f"rank {_rank()}: `in` of a DTensor; use x.full_tensor() or x.to_local() for that"
+        )
+
 
 def _one_or_many(args: tuple) -> Any:
     """torch's ``*dims``: integers, or one sequence of them."""

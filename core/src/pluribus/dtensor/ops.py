@@ -340,7 +340,7 @@ def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
     for item in items:
         if item is None or item is Ellipsis or isinstance(item, slice):
             continue
-        if isinstance(item, (bool, np.bool_)) or not hasattr(item, "__index__"):
+        if not _is_integer(item):
             raise TypeError(
                 f"rank {_rank()}: a DTensor takes basic indices (integers, slices, None, ...); "
                 f"got {type(item).__name__}: index x.full_tensor() or x.to_local() for advanced "
@@ -351,8 +351,8 @@ def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
         raise IndexError(
             f"rank {_rank()}: too many indices for a {len(shape)}-d DTensor: {used} were indexed"
         )
-    if Ellipsis in items:
-        k = items.index(Ellipsis)
+    k = next((k for k, item in enumerate(items) if item is Ellipsis), None)
+    if k is not None:  # by identity: == on an index item may be elementwise
         items = (*items[:k], *(slice(None),) * (len(shape) - used), *items[k + 1 :])
     else:
         items = (*items, *(slice(None),) * (len(shape) - used))
@@ -363,7 +363,10 @@ def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
             continue
         n = shape[d]
         if isinstance(item, slice):
-            out.append(("slice", range(*item.indices(n))))
+            try:
+                out.append(("slice", range(*item.indices(n))))
+            except (TypeError, ValueError) as e:  # bounds that are not integers, a step of 0
+                raise type(e)(f"rank {_rank()}: {e}") from None
         else:
             i = operator.index(item)
             if not -n <= i < n:
@@ -373,6 +376,19 @@ def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
             out.append(("int", i % n))
         d += 1
     return out
+
+
+def _is_integer(item: Any) -> bool:
+    """An integer index: Python's or numpy's integers, or a 0-d integer array; not a bool
+    (numpy's ``x[True]`` adds a dimension) and not an array of one or more dimensions (an
+    advanced index, though numpy arrays have ``__index__``)."""
+    if isinstance(item, (bool, np.bool_)) or getattr(item, "ndim", 0) != 0:
+        return False
+    try:
+        operator.index(item)  # a 0-d bool array raises here too
+    except TypeError:
+        return False
+    return True
 
 
 def getitem(x: DTensor, index: Any) -> DTensor:
