@@ -184,4 +184,6 @@ def test_arrays_zero_steps_and_iteration():
         assert errors[1].startswith("TypeError") and "basic indices" in errors[1]
         assert errors[2].startswith("ValueError") and errors[3].startswith("TypeError")
         assert "iteration over a 0-d DTensor" in errors[4]
-        assert len(listed) == 5 and all(np.array_equal(a, b) for a, b in zip(listed, whole))
+        assert len(listed) == 5 and all(
+            np.array_equal(a, b) for a, b in zip(listed, whole, strict=True)
+        )
