@@ -10,6 +10,7 @@ from . import ops
 from .api import DTensor, distribute_tensor, from_local, redistribute_plan
 from .factories import empty, full, ones, rand, randn, zeros
 from .layout import Layout, split_sizes
+from .local_map import local_map
 from .ops import elementwise, matmul
 from .placements import Partial, Placement, Replicate, Shard
 from .plan import DEFAULT_COST, CostModel, Plan, Step
@@ -32,6 +33,7 @@ __all__ = [
     "from_local",
     "full",
     "init_device_mesh",
+    "local_map",
     "matmul",
     "ones",
     "ops",
