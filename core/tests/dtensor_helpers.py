@@ -1,11 +1,15 @@
-"""Shared by the DTensor tests: a plugin that records every collective each rank issues, and
-a hypothesis strategy of (mesh shape, global shape, placements, dtype) cases."""
+"""Shared by the DTensor tests: a plugin that records every collective each rank issues (and
+a context that registers it), a hypothesis strategy of (mesh shape, global shape,
+placements, dtype) cases, and the errors of a list of bad calls."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 
+import pluribus as pb
 from hypothesis import strategies as st
 from pluribus import hookimpl
 from pluribus.dtensor import Partial, Replicate, Shard
@@ -107,3 +111,27 @@ class CountingPlugin:
     def pluribus_broadcast(self, group, array, src, async_op):
         self._record(group, "broadcast", array.nbytes, array.nbytes)
         return (yield)
+
+
+@contextlib.contextmanager
+def counting_collectives(name: str):
+    """A :class:`CountingPlugin` registered for the block (``name``: unique per test file)."""
+    counting = CountingPlugin()
+    manager = pb.get_plugin_manager()
+    manager.register(counting, name=name)
+    try:
+        yield counting
+    finally:
+        manager.unregister(name=name)
+
+
+def errors_of(calls: Iterable[Callable], typed: bool = False) -> list[str | None]:
+    """Each call's error message (``"TypeError: ..."`` with ``typed``), None where it ran."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except (TypeError, ValueError, IndexError) as e:
+            errors.append(f"{type(e).__name__}: {e}" if typed else str(e))
+    return errors

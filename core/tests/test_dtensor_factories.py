@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pluribus as pb
 import pytest
-from dtensor_helpers import CountingPlugin, layout_cases
+from dtensor_helpers import counting_collectives, errors_of, layout_cases
 from hypothesis import given, settings
 from pluribus.dtensor import (
     Shard,
@@ -58,15 +58,10 @@ def _rank():
 @given(layout_cases())
 def test_each_piece_is_what_distribute_tensor_cuts_with_nothing_sent(case):
     mesh, shape, placements, dtype = case
-    counting = CountingPlugin()
-    manager = pb.get_plugin_manager()
-    manager.register(counting, name="test-dtensor-factories-counting")
-    try:
+    with counting_collectives("test-dtensor-factories-counting") as counting:
         results = run_ranks(
             _pieces, int(np.prod(mesh)), args=(mesh, shape, placements, dtype, counting)
         )
-    finally:
-        manager.unregister(name="test-dtensor-factories-counting")
     for checks, sent in results:
         assert sent == []
         for name, same_layout, same in checks:
@@ -75,22 +70,18 @@ def test_each_piece_is_what_distribute_tensor_cuts_with_nothing_sent(case):
 
 def _bad_calls():
     mesh = init_device_mesh("cpu", (2,))
-    errors = []
-    for call in (
-        lambda: zeros(4, 4),
-        lambda: zeros(4, -1, device_mesh=mesh),
-        lambda: ones(4, "a", device_mesh=mesh),
-        lambda: zeros(4, device_mesh=mesh, placements=[Shard(1)]),
-        lambda: zeros(4, device_mesh=mesh, placements=[Shard(0), Shard(0)]),
-        lambda: zeros(True, 3, device_mesh=mesh),
-        lambda: full((2, 2), np.array([1.0, 2.0]), device_mesh=mesh),
-        lambda: full((2,), 300, device_mesh=mesh, dtype=np.uint8),
-    ):
-        try:
-            call()
-            errors.append(None)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
+    errors = errors_of(
+        (
+            lambda: zeros(4, 4),
+            lambda: zeros(4, -1, device_mesh=mesh),
+            lambda: ones(4, "a", device_mesh=mesh),
+            lambda: zeros(4, device_mesh=mesh, placements=[Shard(1)]),
+            lambda: zeros(4, device_mesh=mesh, placements=[Shard(0), Shard(0)]),
+            lambda: zeros(True, 3, device_mesh=mesh),
+            lambda: full((2, 2), np.array([1.0, 2.0]), device_mesh=mesh),
+            lambda: full((2,), 300, device_mesh=mesh, dtype=np.uint8),
+        )
+    )
     return errors
 
 

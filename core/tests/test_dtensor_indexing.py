@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pluribus as pb
 import pytest
-from dtensor_helpers import CountingPlugin, layout_cases
+from dtensor_helpers import counting_collectives, errors_of, layout_cases
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from pluribus.dtensor import Partial, Shard, distribute_tensor, init_device_mesh
+from pluribus.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,15 +66,10 @@ def _indexed(mesh_shape, shape, placements, dtype, index, counting):
 def test_indexing_is_numpys_and_refused_exactly_where_no_layout_holds_it(data):
     mesh, shape, placements, dtype = data.draw(layout_cases(largest=7, favour_shards=True))
     index = data.draw(_indices(shape))
-    counting = CountingPlugin()
-    manager = pb.get_plugin_manager()
-    manager.register(counting, name="test-dtensor-indexing-counting")
-    try:
+    with counting_collectives("test-dtensor-indexing-counting") as counting:
         results = run_ranks(
             _indexed, math.prod(mesh), args=(mesh, shape, placements, dtype, index, counting)
         )
-    finally:
-        manager.unregister(name="test-dtensor-indexing-counting")
     assert all(sent == [] for *_, sent in results)
     errors = [error for error, _, _ in results]
     try:
@@ -112,20 +107,17 @@ def _named():
     window = rows[1:4]
     strided = rows[None, ::2, 4]
     partial = distribute_tensor(whole, mesh, [Partial()])[2, 1:3]
-    errors = []
-    for call in (
-        lambda: rows[1],
-        lambda: rows[::-1],
-        lambda: rows[[0, 1]],
-        lambda: rows[0:2, 0:2, 0],
-        lambda: rows[..., ...],
-        lambda: rows[:, 6],
-    ):
-        try:
-            call()
-            errors.append(None)
-        except (TypeError, IndexError, ValueError) as e:
-            errors.append(f"{type(e).__name__}: {e}")
+    errors = errors_of(
+        (
+            lambda: rows[1],
+            lambda: rows[::-1],
+            lambda: rows[[0, 1]],
+            lambda: rows[0:2, 0:2, 0],
+            lambda: rows[..., ...],
+            lambda: rows[:, 6],
+        ),
+        typed=True,
+    )
     return (
         (window.layout.sizes, window.full_tensor()),
         (strided.placements, strided.layout.sizes, strided.full_tensor()),
@@ -157,20 +149,17 @@ def _odd():
     mesh = init_device_mesh("cpu", (2,))
     rows = distribute_tensor(np.arange(30.0).reshape(5, 6), mesh, [Shard(1)])
     scalar = distribute_tensor(np.float64(5.0), mesh)
-    errors = []
-    for call in (
-        lambda: rows[np.array([0, 1])],  # an array has __index__, but is an advanced index
-        lambda: rows[np.array(True)],
-        lambda: rows[::0],
-        lambda: rows[0:1.5],
-        lambda: list(scalar),
-        lambda: 3.0 in rows,
-    ):
-        try:
-            call()
-            errors.append(None)
-        except (TypeError, IndexError, ValueError) as e:
-            errors.append(f"{type(e).__name__}: {e}")
+    errors = errors_of(
+        (
+            lambda: rows[np.array([0, 1])],  # an array has __index__, but is an advanced index
+            lambda: rows[np.array(True)],
+            lambda: rows[::0],
+            lambda: rows[0:1.5],
+            lambda: list(scalar),
+            lambda: 3.0 in rows,
+        ),
+        typed=True,
+    )
     return errors, [r.full_tensor() for r in rows]
 
 
@@ -187,3 +176,82 @@ def test_arrays_zero_steps_and_iteration():
         assert len(listed) == 5 and all(
             np.array_equal(a, b) for a, b in zip(listed, whole, strict=True)
         )
+
+
+# -- setitem ------------------------------------------------------------------------------------
+
+
+def _assigned(mesh_shape, shape, placements, dtype, index, how, counting):
+    """``x[index] = value`` with a scalar, a whole (broadcast) array, or the DTensor
+    ``x[index] * 2``; the result and the error, if any."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    whole = np.arange(math.prod(shape), dtype=dtype).reshape(shape)
+    x = distribute_tensor(whole, mesh, placements)
+    try:
+        selected = x[index]
+    except (ValueError, IndexError):
+        return "refused", None, []
+    value = {
+        "scalar": np.dtype(dtype).type(7),
+        "whole": np.arange(math.prod(selected.shape), dtype=dtype).reshape(selected.shape) + 100,
+        "dtensor": selected * 2,
+    }[how]
+    mark = counting.mark(pb.get_rank())
+    x[index] = value
+    sent = counting.since(pb.get_rank(), mark)
+    return None, x.full_tensor(), sent
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_setitem_writes_what_numpy_writes_with_nothing_sent(data):
+    mesh, shape, placements, dtype = data.draw(layout_cases(largest=6, favour_shards=True))
+    index = data.draw(_indices(shape))
+    how = data.draw(st.sampled_from(["scalar", "whole", "dtensor"]))
+    with counting_collectives("test-dtensor-setitem-counting") as counting:
+        results = run_ranks(
+            _assigned,
+            math.prod(mesh),
+            args=(mesh, shape, placements, dtype, index, how, counting),
+        )
+    whole = np.arange(math.prod(shape), dtype=dtype).reshape(shape)
+    if results[0][0] == "refused":  # an index getitem refuses: setitem takes the same ones
+        return
+    want = whole.copy()
+    try:
+        selected = whole[index]
+    except IndexError:
+        return
+    want[index] = {
+        "scalar": 7,
+        "whole": np.arange(selected.size, dtype=dtype).reshape(selected.shape) + 100,
+        "dtensor": selected * 2,
+    }[how]
+    event(how)
+    for error, got, sent in results:
+        assert error is None and sent == []
+        np.testing.assert_array_equal(got, want)
+
+
+def _bad_assignments():
+    mesh = init_device_mesh("cpu", (2,))
+    rows = distribute_tensor(np.arange(30.0).reshape(5, 6), mesh, [Shard(0)])
+    before = rows.to_local().copy()
+    other_layout = distribute_tensor(np.zeros((3, 6)), mesh, [Replicate()])
+    errors = errors_of(
+        (
+            lambda: rows.__setitem__(slice(1, 4), other_layout),  # x[1:4] is rows split 2 + 1
+            lambda: rows.__setitem__(slice(0, 2), np.zeros((3, 6))),
+            lambda: rows.__setitem__(1, 0.0),
+        )
+    )
+    return errors, np.array_equal(rows.to_local(), before)
+
+
+def test_bad_assignments_are_refused_on_every_rank_and_write_nothing():
+    for rank, (errors, unchanged) in enumerate(run_ranks(_bad_assignments, 2)):
+        assert all(e is not None and e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "setitem of a DTensor laid out as" in errors[0]
+        assert "does not broadcast to the shape (2, 6) of x[slice(0, 2, None)]" in errors[1]
+        assert "with the integer 1" in errors[2]
+        assert unchanged

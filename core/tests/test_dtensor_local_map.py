@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pluribus as pb
 import pytest
-from dtensor_helpers import CountingPlugin
+from dtensor_helpers import counting_collectives, errors_of
 from pluribus.dtensor import (
     Replicate,
     Shard,
@@ -67,25 +67,22 @@ def _refused():
     mesh = init_device_mesh("cpu", (2,))
     other = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     rows = distribute_tensor(WHOLE, mesh, [Shard(0)])
-    errors, ran = [], []
+    ran = []
 
     def func(*args):
         ran.append(True)
         return args[0]
 
-    for call in (
-        lambda: local_map(func, [Shard(0)], [[Replicate()]])(rows),
-        lambda: local_map(func, [Shard(0)], [[Shard(0)], [Shard(0)]])(rows),
-        lambda: local_map(func, [Shard(0)], [[Shard(0)], [Shard(0)]])(rows, "text"),
-        lambda: local_map(func, [Shard(0)])(rows, distribute_tensor(WHOLE, other, [Shard(0)])),
-        lambda: local_map(func, Shard(0)),
-        lambda: local_map(lambda x: (func(x),) * 3, ([Shard(0)], None))(rows),
-    ):
-        try:
-            call()
-            errors.append(None)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
+    errors = errors_of(
+        (
+            lambda: local_map(func, [Shard(0)], [[Replicate()]])(rows),
+            lambda: local_map(func, [Shard(0)], [[Shard(0)], [Shard(0)]])(rows),
+            lambda: local_map(func, [Shard(0)], [[Shard(0)], [Shard(0)]])(rows, "text"),
+            lambda: local_map(func, [Shard(0)])(rows, distribute_tensor(WHOLE, other, [Shard(0)])),
+            lambda: local_map(func, Shard(0)),
+            lambda: local_map(lambda x: (func(x),) * 3, ([Shard(0)], None))(rows),
+        )
+    )
     return errors, len(ran)
 
 
@@ -117,13 +114,8 @@ def _even_without_check(counting):
 
 
 def test_without_run_check_even_pieces_make_the_same_layout_with_nothing_sent():
-    counting = CountingPlugin()
-    manager = pb.get_plugin_manager()
-    manager.register(counting, name="test-local-map-counting")
-    try:
+    with counting_collectives("test-local-map-counting") as counting:
         results = run_ranks(_even_without_check, 2, args=(counting,))
-    finally:
-        manager.unregister(name="test-local-map-counting")
     for same, whole, sent_unchecked, checked in results:
         assert same and sent_unchecked == [] and checked > 0
         np.testing.assert_allclose(whole, _softmax(WHOLE[:4]), rtol=1e-12)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pluribus as pb
 import pytest
-from dtensor_helpers import CountingPlugin, layout_cases
+from dtensor_helpers import counting_collectives, errors_of, layout_cases
 from hypothesis import given, settings
 from pluribus.dtensor import Partial, Shard, init_device_mesh, rand, randn, random
 from pluribus.testing import run_ranks
@@ -55,15 +55,10 @@ def _drawn(mesh_shape, shape, placements, dtype, seed, counting):
 def test_every_layout_holds_the_same_array_as_one_process_draws(case):
     mesh, shape, placements, dtype = case
     seed = 2**64 + 12345  # a key wider than one word
-    counting = CountingPlugin()
-    manager = pb.get_plugin_manager()
-    manager.register(counting, name="test-dtensor-random-counting")
-    try:
+    with counting_collectives("test-dtensor-random-counting") as counting:
         results = run_ranks(
             _drawn, int(np.prod(mesh)), args=(mesh, shape, placements, dtype, seed, counting)
         )
-    finally:
-        manager.unregister(name="test-dtensor-random-counting")
     for made, sent in results:
         assert sent == [], case
         for name, (got_dtype, got_placements, (piece, where, zero)) in made.items():
@@ -164,21 +159,17 @@ def test_a_partial_sum_keeps_the_value_on_the_first_rank():
 
 def _bad_calls():
     mesh = init_device_mesh("cpu", (2,))
-    errors = []
-    for call in (
-        lambda: rand(4, device_mesh=mesh, dtype=np.int64, seed=1),
-        lambda: randn(4, device_mesh=mesh, seed=-1),
-        lambda: rand(4, device_mesh=mesh, seed=2**128),
-        lambda: rand(4, device_mesh=mesh, seed=1.5),
-        lambda: rand(4, device_mesh=mesh, seed=True),
-        lambda: rand(4, seed=1),
-        lambda: randn(4, device_mesh=mesh, placements=[Shard(1)], seed=1),
-    ):
-        try:
-            call()
-            errors.append(None)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
+    errors = errors_of(
+        (
+            lambda: rand(4, device_mesh=mesh, dtype=np.int64, seed=1),
+            lambda: randn(4, device_mesh=mesh, seed=-1),
+            lambda: rand(4, device_mesh=mesh, seed=2**128),
+            lambda: rand(4, device_mesh=mesh, seed=1.5),
+            lambda: rand(4, device_mesh=mesh, seed=True),
+            lambda: rand(4, seed=1),
+            lambda: randn(4, device_mesh=mesh, placements=[Shard(1)], seed=1),
+        )
+    )
     return errors
 
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pluribus as pb
 import pytest
-from dtensor_helpers import CountingPlugin, layout_cases
+from dtensor_helpers import counting_collectives, errors_of, layout_cases
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from pluribus.dtensor import Layout, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
@@ -104,17 +104,12 @@ def _reshaped(mesh_shape, shape, placements, dtype, new_shape, counting):
 def test_reshape_is_numpys_and_refused_only_where_no_layout_holds_the_pieces(data):
     mesh, shape, placements, dtype = data.draw(layout_cases(largest=8, favour_shards=True))
     new_shape = data.draw(_new_shapes(shape))
-    counting = CountingPlugin()
-    manager = pb.get_plugin_manager()
-    manager.register(counting, name="test-dtensor-shapes-counting")
-    try:
+    with counting_collectives("test-dtensor-shapes-counting") as counting:
         results = run_ranks(
             _reshaped,
             math.prod(mesh),
             args=(mesh, shape, placements, dtype, new_shape, counting),
         )
-    finally:
-        manager.unregister(name="test-dtensor-shapes-counting")
     want = np.arange(math.prod(shape), dtype=dtype).reshape(shape).reshape(new_shape)
     errors = {error is None for _, error, _, _ in results}
     assert len(errors) == 1, results  # every rank decides alike
@@ -155,20 +150,16 @@ def _named_cases():
         2, 0, 1
     )
     partial = distribute_tensor(whole, mesh, [Partial()]).reshape(6, 4)
-    errors = []
-    for call in (
-        lambda: cols.reshape(24),  # columns 0-2 of every row: not a block of 24
-        lambda: rows.reshape(5, 5),
-        lambda: rows.reshape(-1, -1),
-        lambda: rows.reshape(2.5, 2),
-        lambda: rows.permute(0, 0),
-        lambda: rows.permute(0, 2),
-    ):
-        try:
-            call()
-            errors.append(None)
-        except ValueError as e:
-            errors.append(str(e))
+    errors = errors_of(
+        (
+            lambda: cols.reshape(24),  # columns 0-2 of every row: not a block of 24
+            lambda: rows.reshape(5, 5),
+            lambda: rows.reshape(-1, -1),
+            lambda: rows.reshape(2.5, 2),
+            lambda: rows.permute(0, 0),
+            lambda: rows.permute(0, 2),
+        )
+    )
     return (
         (split.placements, split.layout.sizes, split.full_tensor()),
         (merged.placements, merged.layout.sizes),

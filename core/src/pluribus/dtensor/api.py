@@ -401,6 +401,10 @@ class DTensor:
         """numpy's basic indexing, without communicating (:func:`ops.getitem`)."""
         return _ops().getitem(self, index)
 
+    def __setitem__(self, index, value):
+        """``x[index] = value`` in place, without communicating (:func:`ops.setitem`)."""
+        _ops().setitem(self, index, value)
+
     def __iter__(self):
         """The rows ``x[0], x[1], ...`` (numpy's iteration); a 0-d DTensor is refused, as
         numpy refuses a 0-d array, instead of iterating zero times."""

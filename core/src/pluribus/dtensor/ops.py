@@ -398,6 +398,59 @@ def getitem(x: DTensor, index: Any) -> DTensor:
     new layout records those sizes (uneven, zero included). An integer or a negative step on a
     sharded dimension is refused, naming the redistribute: the result would lie on one rank,
     or in the reverse order of the mesh. Replicate and Partial pass through."""
+    layout, local_index = _indexed(x, index)
+    # a copy: a view would share the piece (each DTensor owns its own) and may be strided
+    piece = x.to_local()[local_index].copy()
+    return DTensor(piece, x.device_mesh, layout)
+
+
+def setitem(x: DTensor, index: Any, value: Any) -> None:
+    """``x[index] = value`` in every rank's piece, without communicating. ``value`` is a
+    DTensor laid out as ``x[index]`` is (its pieces are written), or the value of the whole
+    selection, alike on every rank (a scalar, or an array that broadcasts to it; each rank
+    writes its part, and the terms of a ``Partial("sum")`` off the first rank get zeros)."""
+    layout, local_index = _indexed(x, index)
+    mesh = x.device_mesh
+    if isinstance(value, DTensor):
+        _same_mesh(x, value, "setitem")
+        if value.layout is not layout:
+            _fail(
+                f"setitem of a DTensor laid out as {value.layout!r} into x[{index!r}], laid out "
+                f"as {layout!r}: give a DTensor of that layout, or the whole value (the same "
+                "array on every rank)"
+            )
+        x.local_to_write()[local_index] = value.to_local()
+        return
+    # checked on every rank before any writes (a Partial("sum") term off the first rank
+    # writes zeros, but checks the value as the others do)
+    xp = array_namespace(x.to_local())
+    part = _host_scalar(value)
+    if part is _NOT_A_SCALAR:
+        if not hasattr(value, "shape"):  # a list, a tuple: numpy's reading of it
+            value = np.asarray(value)
+        try:
+            whole = array_namespace(value).broadcast_to(value, layout.shape)
+        except ValueError:
+            _fail(
+                f"setitem: a value of shape {tuple(value.shape)} does not broadcast to the "
+                f"shape {layout.shape} of x[{index!r}]"
+            )
+        try:  # a numpy value for cupy pieces is copied to the device
+            part = xp.asarray(whole[layout.local_slices(mesh.coordinate)])
+        except TypeError:
+            _fail(
+                f"setitem: a {type(value).__name__} value for {xp.__name__} pieces; give the "
+                "value in the pieces' array library"
+            )
+    zero = any(
+        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
+        for m, p in enumerate(layout.placements)
+    )
+    x.local_to_write()[local_index] = 0 if zero else part
+
+
+def _indexed(x: DTensor, index: Any) -> tuple[Layout, tuple]:
+    """The layout of ``x[index]`` and the index of its part in this rank's piece."""
     entries = _basic_index(index, x.shape)
     chosen = [value for kind, value in entries if kind != "new"]  # per dimension of x
     kept_at, d, j = {}, 0, 0  # a sliced dimension of x -> its dimension in the result
@@ -436,10 +489,7 @@ def getitem(x: DTensor, index: Any) -> DTensor:
         local_index.append(value if isinstance(value, int) else _as_slice(value))
         d += 1
     shape = tuple(1 if kind == "new" else len(v) for kind, v in entries if kind != "int")
-    layout = Layout(shape, tuple(placements), tuple(sizes))
-    # a copy: a view would share the piece (each DTensor owns its own) and may be strided
-    piece = x.to_local()[tuple(local_index)].copy()
-    return DTensor(piece, x.device_mesh, layout)
+    return Layout(shape, tuple(placements), tuple(sizes)), tuple(local_index)
 
 
 def _within(r: range, lo: int, hi: int) -> range:
