@@ -150,6 +150,7 @@ def _named_cases():
         2, 0, 1
     )
     partial = distribute_tensor(whole, mesh, [Partial()]).reshape(6, 4)
+    through_numpy = np.reshape(rows, (2, 12))  # numpy calls x.reshape(shape, order="C")
     errors = errors_of(
         (
             lambda: cols.reshape(24),  # columns 0-2 of every row: not a block of 24
@@ -158,6 +159,7 @@ def _named_cases():
             lambda: rows.reshape(2.5, 2),
             lambda: rows.permute(0, 0),
             lambda: rows.permute(0, 2),
+            lambda: rows.reshape(24, order="F"),
         )
     )
     return (
@@ -166,6 +168,7 @@ def _named_cases():
         (heads.placements, heads.layout.sizes, heads.full_tensor()),
         (permuted.placements, permuted.full_tensor()),
         (partial.placements, partial.full_tensor()),
+        (through_numpy.placements, through_numpy.layout.sizes),
         rows.T.placements,
         errors,
     )
@@ -173,7 +176,7 @@ def _named_cases():
 
 def test_named_reshapes_and_permutes():
     for rank, result in enumerate(run_ranks(_named_cases, 2)):
-        split, merged, heads, permuted, partial, transposed, errors = result
+        split, merged, heads, permuted, partial, through_numpy, transposed, errors = result
         assert split[:2] == ((Shard(0),), ((1, 1),))
         np.testing.assert_array_equal(split[2], np.arange(24.0).reshape(2, 2, 3, 2))
         assert merged == ((Shard(0),), ((12, 12),))
@@ -186,6 +189,7 @@ def test_named_reshapes_and_permutes():
         )
         assert partial[0] == (Partial(),)
         np.testing.assert_array_equal(partial[1], np.arange(24.0).reshape(6, 4))
+        assert through_numpy == ((Shard(0),), ((1, 1),))
         assert transposed == (Shard(1),)
         assert all(e.startswith(f"rank {rank}: ") for e in errors), errors
         assert "reshape (4, 6) -> (24,) of Shard(1) on mesh dimension 0" in errors[0]
@@ -194,6 +198,7 @@ def test_named_reshapes_and_permutes():
         assert "at most one of them -1" in errors[2] and "at most one of them -1" in errors[3]
         assert "permute of a 2-d DTensor takes each of its dimensions once" in errors[4]
         assert "permute of a 2-d DTensor" in errors[5]
+        assert "reshapes in order 'C' only, got 'F'" in errors[6]
 
 
 def test_replicated_reshapes_of_any_shape_pass_through():

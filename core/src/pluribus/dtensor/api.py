@@ -391,8 +391,11 @@ class DTensor:
         """torch's ``x.permute(1, 0, 2)`` (or a tuple): the dimensions in that order."""
         return _ops().permute(self, _one_or_many(dims))
 
-    def reshape(self, *shape):
-        """numpy's ``x.reshape(2, -1)`` (or a tuple); torch's ``view``. A copy."""
+    def reshape(self, *shape, order="C"):
+        """numpy's ``x.reshape(2, -1)`` (or a tuple; ``np.reshape(x, ...)`` calls it); torch's
+        ``view``. A copy. Row-major order only: a DTensor's layout is row-major."""
+        if order != "C":
+            raise ValueError(f"rank {_rank()}: a DTensor reshapes in order 'C' only, got {order!r}")
         return _ops().reshape(self, _one_or_many(shape))
 
     view = reshape
