@@ -387,6 +387,65 @@ def _keyword_inputs(with_positional: bool):
     return None
 
 
+class KeywordFirst(Probe):
+    """A module whose first input (the one its backward gives the gradient of) has a name."""
+
+    def forward(self, x, *, mask=None):
+        return super().forward(x)
+
+
+def _keyword_refusals():
+    """A keyword value refused (its sizes are not the array_split ones) before the positional
+    input moves; the first input named as a keyword layout refused when the style is applied
+    (keyword inputs move forward only); a keyword that is no array refused with advice that
+    can be followed."""
+    mesh = init_device_mesh("cpu", (pb.get_world_size(),))
+    rank, world = pb.get_rank(), pb.get_world_size()
+    errors = []
+    probe = KeywordProbe()
+    parallelize_module(
+        probe,
+        mesh,
+        PrepareModuleInput(
+            input_layouts=Shard(0),
+            desired_input_layouts=Replicate(),
+            input_kwarg_layouts={"table": Shard(0)},
+            desired_input_kwarg_layouts={"table": Replicate()},
+        ),
+    )
+    x = np.array_split(np.arange(4.0), world)[rank]
+    uneven = np.ones((1 if rank == 0 else 2, 2))  # sizes (1, 2, ...): not array_split's
+    for call in (
+        lambda: probe.forward(x, table=uneven),
+        lambda: probe.forward(x, table=None),
+        lambda: parallelize_module(
+            KeywordFirst(),
+            mesh,
+            PrepareModuleInput(
+                input_kwarg_layouts={"x": Shard(0)}, desired_input_kwarg_layouts={"x": Replicate()}
+            ),
+        ),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    return errors, "_tp_input_shapes" in probe.__dict__
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_keyword_inputs_are_refused_before_anything_moves(world):
+    for rank, (errors, moved) in enumerate(run_ranks(_keyword_refusals, world)):
+        assert all(e is not None and e.startswith(f"rank {rank}") for e in errors), errors
+        assert "rows for the ranks of the mesh" in errors[0]
+        assert not moved  # the positional input was not gathered before the refusal
+        assert "keyword input table" in errors[1] and "leave the keyword out" in errors[1]
+        assert "'x' is its forward's first input" in errors[2]
+        assert "pass it positionally" in errors[2]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("with_positional", [True, False])

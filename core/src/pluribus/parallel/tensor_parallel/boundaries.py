@@ -26,6 +26,15 @@ def move(
     to learn the sizes (uneven ones included: never guessed)."""
     if src == dst:
         return array
+    return locate(array, mesh, src, features, rows).redistribute(placements=[dst]).to_local()
+
+
+def locate(
+    array: Any, mesh: DeviceMesh, src: Placement, features: int | None, rows: int | None = None
+) -> Any:
+    """``array`` (this rank's piece in ``src``) as a DTensor, nothing moved yet: what
+    :func:`move` redistributes. Its sizes exchanged and checked where they are not known, so a
+    caller moving several values can refuse any of them before it moves one."""
     shape = list(array.shape)
     if isinstance(src, Shard):
         dim = src.dim % len(shape)
@@ -40,10 +49,9 @@ def move(
                     f"keep: {split_sizes(sum(sizes), len(sizes))} rows for the ranks of the "
                     f"mesh, got {sizes}"
                 )
-            return dt.redistribute(placements=[dst]).to_local()
+            return dt
         shape[dim] = whole
-    dt = from_local(array, mesh, [src], run_check=False, shape=shape)
-    return dt.redistribute(placements=[dst]).to_local()
+    return from_local(array, mesh, [src], run_check=False, shape=shape)
 
 
 def global_rows(shape: tuple[int, ...], placement: Placement) -> int | None:

@@ -10,13 +10,14 @@ pieces come back in the sizes forward cut, in a deep copy of the model too."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ... import distributed as dist
 from ...dtensor import Placement, Shard
 from ...mesh import DeviceMesh
 from ...nn.module import Module
-from .boundaries import global_rows, move
+from .boundaries import global_rows, locate, move
 from .pieces import rank_text
 from .styles import ParallelStyle, _local_output_only, _mark_once, _no_partial
 
@@ -75,7 +76,12 @@ def _check(
         if ndim is None:
             raise TypeError(
                 f"{rank_text(mesh)}: {what} {k} of {module!r} is a {type(value).__name__}, not "
-                f"an array, and cannot go from {src!r} to {dst!r}; give it the layout None"
+                f"an array, and cannot go from {src!r} to {dst!r}; "
+                + (
+                    "give it the layout None"
+                    if isinstance(k, int)
+                    else "pass an array, or leave the keyword out (a name not passed is skipped)"
+                )
             )
         for layout in (src, dst):
             if isinstance(layout, Shard) and not -ndim <= layout.dim < ndim:
@@ -124,13 +130,28 @@ def _same(src: Placement, dst: Placement, ndim: int) -> bool:
 
 def _forward(values: tuple, pairs: Pairs, mesh: DeviceMesh) -> tuple[list, list]:
     """The values moved to their desired layouts, and the whole shape of each moved one."""
+    return _moved(values, pairs, _located(values, pairs, mesh))
+
+
+def _located(values: tuple, pairs: Pairs, mesh: DeviceMesh) -> list:
+    """Each value that moves as a DTensor (a Shard source's sizes exchanged and checked, so
+    that a refusal comes before any value moves), None for one that stays."""
+    return [
+        None
+        if src is None or src == dst or _same(src, dst, value.ndim)
+        else locate(value, mesh, src, None)  # a Shard source's sizes: from the ranks
+        for value, (src, dst) in zip(values, pairs, strict=True)
+    ]
+
+
+def _moved(values: tuple, pairs: Pairs, located: list) -> tuple[list, list]:
     moved, shapes = [], []
-    for value, (src, dst) in zip(values, pairs, strict=True):
-        if src is None or src == dst or _same(src, dst, value.ndim):
+    for value, (src, dst), dt in zip(values, pairs, located, strict=True):
+        if dt is None:
             moved.append(value)
             shapes.append(None)
             continue
-        out = move(value, mesh, src, dst, None)  # a Shard source's sizes: from the ranks
+        out = dt.redistribute(placements=[dst]).to_local()
         whole = list(value.shape)
         if isinstance(src, Shard):
             dim = src.dim % len(whole)
@@ -138,6 +159,18 @@ def _forward(values: tuple, pairs: Pairs, mesh: DeviceMesh) -> tuple[list, list]
         moved.append(out)
         shapes.append(tuple(whole))
     return moved, shapes
+
+
+def _first_input(module: Module) -> str | None:
+    """The name of the parameter of ``module.forward`` whose gradient its backward gives (the
+    first), where a caller may pass it by keyword."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if params and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        return params[0].name
+    return None
 
 
 def _backward(grads: tuple, pairs: Pairs, shapes: list, mesh: DeviceMesh) -> list:
@@ -211,7 +244,20 @@ class PrepareModuleInput(ParallelStyle):
                 desired_input_layouts,
             )
 
+    def _refuse_first_input(self, module: Module, mesh: DeviceMesh) -> None:
+        """A keyword input moves forward only: refuse one that is the input whose gradient
+        the module's backward gives (its forward's first, passed by name)."""
+        first = _first_input(module) if isinstance(module, Module) else None
+        if first in self.kwarg_pairs:
+            raise ValueError(
+                f"{rank_text(mesh)}: PrepareModuleInput(input_kwarg_layouts[{first!r}]) on "
+                f"{module!r}: {first!r} is its forward's first input, whose gradient its "
+                "backward gives, and keyword inputs move forward only; pass it positionally "
+                "and give its layouts in input_layouts and desired_input_layouts"
+            )
+
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        self._refuse_first_input(module, mesh)
         _claim(module, mesh, "PrepareModuleInput")
         pairs, kwarg_pairs = self.pairs, self.kwarg_pairs
 
@@ -225,12 +271,16 @@ class PrepareModuleInput(ParallelStyle):
                 _check(values, kwpairs, mesh, "keyword input", m, [n for n, _, _ in named])
             if pairs is not None:
                 _check(args, pairs, mesh, "input", m)
-                moved, m._tp_input_shapes = _forward(args, pairs, mesh)
+            # sizes exchanged and checked for every value before any moves
+            located = _located(args, pairs, mesh) if pairs is not None else None
+            kw_located = _located(values, kwpairs, mesh) if named else None
+            if pairs is not None:
+                moved, m._tp_input_shapes = _moved(args, pairs, located)
                 args = tuple(moved)
             if named:
                 kwargs = dict(kwargs)
                 for (name, *_), value in zip(
-                    named, _forward(values, kwpairs, mesh)[0], strict=True
+                    named, _moved(values, kwpairs, kw_located)[0], strict=True
                 ):
                     kwargs[name] = value
             return args, kwargs
@@ -347,6 +397,7 @@ class PrepareModuleInputOutput(ParallelStyle):
                     f"{rank_text(mesh)}: {style} is already applied to {module!r}; "
                     "PrepareModuleInputOutput applies it again"
                 )
+        self.inputs._refuse_first_input(module, mesh)
         _claim(module, mesh, "PrepareModuleInputOutput")
         self.inputs.apply(module, mesh)
         return self.outputs.apply(module, mesh)
