@@ -12,7 +12,14 @@ import pytest
 from dtensor_helpers import counting_collectives, errors_of, layout_cases
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from pluribus.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from pluribus.dtensor import (
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    from_local,
+    init_device_mesh,
+)
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,11 +198,17 @@ def _assigned(mesh_shape, shape, placements, dtype, index, how, counting):
         selected = x[index]
     except (ValueError, IndexError):
         return "refused", None, []
-    value = {
-        "scalar": np.dtype(dtype).type(7),
-        "whole": np.arange(math.prod(selected.shape), dtype=dtype).reshape(selected.shape) + 100,
-        "dtensor": selected * 2,
+    value = {  # only the one asked for is made: ``selected * 2`` is refused for some layouts
+        "scalar": lambda: np.dtype(dtype).type(7),
+        "whole": lambda: (
+            np.arange(math.prod(selected.shape), dtype=dtype).reshape(selected.shape) + 100
+        ),
+        "dtensor": lambda: selected * 2,
     }[how]
+    try:
+        value = value()
+    except ValueError:  # an integer Partial max/min times 2 may wrap: refused
+        return "refused", None, []
     mark = counting.mark(pb.get_rank())
     x[index] = value
     sent = counting.since(pb.get_rank(), mark)
@@ -255,3 +268,25 @@ def test_bad_assignments_are_refused_on_every_rank_and_write_nothing():
         assert "does not broadcast to the shape (2, 6) of x[slice(0, 2, None)]" in errors[1]
         assert "with the integer 1" in errors[2]
         assert unchanged
+
+
+def _casts_checked_everywhere():
+    mesh = init_device_mesh("cpu", (2,))
+    small = distribute_tensor(np.arange(4, dtype=np.uint8), mesh, [Partial()])
+    before = small.to_local().copy()
+    ints = distribute_tensor(np.zeros(4, np.int64), mesh, [Partial()])
+    halves = from_local(np.full(4, 0.5), mesh, [Partial()])
+    errors = errors_of(
+        (
+            lambda: small.__setitem__(slice(0, 2), 300),  # rank 1 would write zeros
+            lambda: ints.__setitem__(Ellipsis, halves),  # each term cast apart: 0 + 0, not 1
+        )
+    )
+    return errors, np.array_equal(small.to_local(), before)
+
+
+def test_a_value_the_dtype_cannot_take_is_refused_on_every_rank_before_any_writes():
+    for rank, (errors, unchanged) in enumerate(run_ranks(_casts_checked_everywhere, 2)):
+        assert all(e is not None and e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "300" in errors[0] and unchanged
+        assert "each term would be cast apart" in errors[1]

@@ -119,3 +119,31 @@ def test_without_run_check_even_pieces_make_the_same_layout_with_nothing_sent():
     for same, whole, sent_unchecked, checked in results:
         assert same and sent_unchecked == [] and checked > 0
         np.testing.assert_allclose(whole, _softmax(WHOLE[:4]), rtol=1e-12)
+
+
+def _results_checked():
+    """One array where two results are named is refused (not split into its rows); ranks that
+    give different numbers of results all raise (none waits in from_local); a result that is
+    the argument's own piece is copied, so the two DTensors do not share it."""
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(np.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    n = 2 + pb.get_rank()
+    errors = errors_of(
+        (
+            lambda: local_map(lambda a: a * 1, ([Shard(0)], [Shard(0)]), [[Shard(0)]])(x),
+            lambda: local_map(lambda a: (a,) * n, ([Shard(0)], [Shard(0)]), [[Shard(0)]])(x),
+        )
+    )
+    same = local_map(lambda a: a, [Shard(0)], [[Shard(0)]])(x)
+    shares = np.shares_memory(same.to_local(), x.to_local())
+    one = local_map(lambda a: a * 3, ([Shard(0)],), [[Shard(0)]])(x)  # torch's one-entry tuple
+    return errors, shares, one.full_tensor()
+
+
+def test_results_are_checked_on_every_rank_and_own_their_pieces():
+    for rank, (errors, shares, one) in enumerate(run_ranks(_results_checked, 2)):
+        assert all(e is not None and e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "gave one ndarray, out_placements names 2 results" in errors[0]
+        assert "gave 3 results, out_placements names 2" in errors[1]
+        assert not shares
+        np.testing.assert_array_equal(one, np.arange(8.0).reshape(4, 2) * 3)

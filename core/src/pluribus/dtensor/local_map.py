@@ -8,7 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from .. import distributed as dist
 from ..mesh import DeviceMesh
+from ..nn.module import array_namespace
 from .api import DTensor, _rank, from_local
 from .placements import Placement
 
@@ -107,16 +111,77 @@ def local_map(
         out = func(*pieces, **kwargs)
         if not any(isinstance(a, DTensor) for a in args):
             return out
-        results = (out,) if one else tuple(out)
-        if len(results) != len(outs):
-            raise ValueError(
-                f"rank {_rank()}: local_map's function gave {len(results)} results, "
-                f"out_placements names {len(outs)}"
-            )
-        made = tuple(
-            r if spec is None else from_local(r, mesh, spec, run_check=run_check)
-            for r, spec in zip(results, outs, strict=True)
-        )
-        return made[0] if one else made
+        try:
+            results, problem = _results(out, one, outs), None
+        except (TypeError, ValueError) as exc:
+            results, problem = None, (type(exc).__name__, str(exc))
+        if run_check:  # a rank whose results are refused must not leave the others waiting
+            _agree(problem, mesh)  # in from_local's exchange
+        elif problem is not None:
+            raise (TypeError if problem[0] == "TypeError" else ValueError)(problem[1])
+        # each DTensor owns its piece: a result that is (a view of) an argument's piece or an
+        # earlier result is copied (a write or a donation of one would change the other)
+        owned = [p for a, p in zip(args, pieces, strict=True) if isinstance(a, DTensor)]
+        made = []
+        for r, spec in zip(results, outs, strict=True):
+            if spec is None:
+                made.append(r)
+                continue
+            if isinstance(r, np.generic):
+                r = np.asarray(r)
+            if any(type(o) is type(r) and _may_share(r, o) for o in owned):
+                r = r.copy()
+            owned.append(r)
+            made.append(from_local(r, mesh, spec, run_check=run_check))
+        # the shape of what func gave: one result, or a tuple of them (torch's pytree rule)
+        return tuple(made) if isinstance(out, (tuple, list)) and not one else made[0]
 
     return mapped
+
+
+def _results(out: Any, one: bool, outs: list) -> tuple:
+    """``func``'s results, one per ``out_placements`` entry (torch's: one result given for a
+    one-entry tuple), each an array where its entry names placements."""
+    if one or (len(outs) == 1 and not isinstance(out, (tuple, list))):
+        results = (out,)
+    elif isinstance(out, (tuple, list)):
+        results = tuple(out)
+    else:  # an array is one result, not its rows
+        raise ValueError(
+            f"rank {_rank()}: local_map's function gave one {type(out).__name__}, "
+            f"out_placements names {len(outs)} results"
+        )
+    if len(results) != len(outs):
+        raise ValueError(
+            f"rank {_rank()}: local_map's function gave {len(results)} results, "
+            f"out_placements names {len(outs)}"
+        )
+    for k, (r, spec) in enumerate(zip(results, outs, strict=True)):
+        if spec is not None and getattr(r, "ndim", None) is None:
+            raise TypeError(
+                f"rank {_rank()}: local_map's result {k} is a {type(r).__name__}, not an array; "
+                "its out_placements entry must be None"
+            )
+    return results
+
+
+def _agree(problem: tuple | None, mesh: DeviceMesh) -> None:
+    """Raise on every rank of ``mesh`` when any rank's results were refused (one small
+    exchange per mesh dimension)."""
+    info = [(dist.get_rank(), problem)]
+    for m in range(mesh.ndim):
+        gathered = dist.all_gather_object(info, group=mesh.get_group(m))
+        info = [item for part in gathered for item in part]
+    me = dist.get_rank()
+    for r, found in sorted(info, key=lambda item: item[0] != me):  # this rank's first
+        if found is not None:
+            kind, message = found
+            error = TypeError if kind == "TypeError" else ValueError
+            raise error(message if r == me else f"rank {me}: local_map: rank {r} says {message}")
+
+
+def _may_share(a: Any, b: Any) -> bool:
+    try:
+        return bool(array_namespace(a).may_share_memory(a, b))
+    except (TypeError, AttributeError):
+        return False

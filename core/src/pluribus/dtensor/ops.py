@@ -419,15 +419,37 @@ def setitem(x: DTensor, index: Any, value: Any) -> None:
                 f"as {layout!r}: give a DTensor of that layout, or the whole value (the same "
                 "array on every rank)"
             )
-        x.local_to_write()[local_index] = value.to_local()
+        terms, dtype = value.to_local(), x.to_local().dtype
+        if terms.dtype != dtype:  # each term cast apart is not the value cast
+            for m, p in enumerate(layout.placements):
+                if isinstance(p, Partial) and p.op in _LINEAR:
+                    _fail(
+                        f"setitem of {terms.dtype} terms of {p!r} (mesh dimension {m}) into a "
+                        f"{dtype} DTensor: each term would be cast apart, which is not the value "
+                        f"cast; give {dtype} terms, or redistribute to Replicate first"
+                    )
+        x.local_to_write()[local_index] = terms
         return
     # checked on every rank before any writes (a Partial("sum") term off the first rank
     # writes zeros, but checks the value as the others do)
     xp = array_namespace(x.to_local())
+    dtype = x.to_local().dtype
     part = _host_scalar(value)
-    if part is _NOT_A_SCALAR:
+    if part is not _NOT_A_SCALAR:
+        # numpy's conversion of the scalar (300 into uint8, nan into int64 raise) on every
+        # rank, the zero-writing ones included, before any writes
+        try:
+            np.empty((), np.dtype(dtype))[()] = part
+        except (TypeError, ValueError, OverflowError) as e:
+            _fail(f"setitem: {type(e).__name__}: {e}")
+    else:
         if not hasattr(value, "shape"):  # a list, a tuple: numpy's reading of it
             value = np.asarray(value)
+        if np.dtype(value.dtype).kind in "OSUMm":  # a cast that can fail: tried on the whole
+            try:  # value on every rank (a rank's part may be empty, or not written)
+                value.astype(dtype)
+            except (TypeError, ValueError, OverflowError) as e:
+                _fail(f"setitem: {type(e).__name__}: {e}")
         try:
             whole = array_namespace(value).broadcast_to(value, layout.shape)
         except ValueError:
