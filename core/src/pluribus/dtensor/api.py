@@ -16,7 +16,7 @@ from ..arrays import device_of
 from ..mesh import DeviceMesh
 from ..nn.module import array_namespace
 from .layout import Layout, default_layout, normalize_placements
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import Placement, Replicate, Shard
 from .plan import DEFAULT_COST, CostModel, Plan, make_plan
 from .redistribute import Run, compile_plan
 
@@ -456,10 +456,7 @@ def distribute_tensor(
     layout = default_layout(tuple(tensor.shape), targets, mesh.shape)
     xp = array_namespace(tensor)
     piece = tensor[layout.local_slices(mesh.coordinate)]  # numpy: a 0-d array's is a scalar
-    zero = any(
-        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
-        for m, p in enumerate(targets)
-    )
+    zero = layout.zero_term(mesh.coordinate)
     # a copy: the DTensor never sees later writes to ``tensor``, nor writes to it when donated
     local = xp.zeros(piece.shape, tensor.dtype) if zero else xp.array(piece)
     return DTensor(local, mesh, layout)

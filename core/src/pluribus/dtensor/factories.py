@@ -21,7 +21,7 @@ from . import random
 from .api import DTensor
 from .boxes import layout_box
 from .layout import Layout, default_layout, normalize_placements
-from .placements import Partial, Placement, Replicate
+from .placements import Placement, Replicate
 
 
 def _shape(size: tuple) -> tuple[int, ...]:
@@ -71,12 +71,9 @@ def _dtensor(
 ) -> DTensor:
     """The DTensor whose piece ``make()`` gives; a ``Partial("sum")`` piece off the first rank
     of its mesh dimension is zeros instead (the terms of a sum: the value once)."""
-    zero = any(
-        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
-        for m, p in enumerate(layout.placements)
-    )
-    shape = layout.local_shape(mesh.coordinate)
-    return DTensor(xp.zeros(shape, dtype) if zero else make(), mesh, layout)
+    if layout.zero_term(mesh.coordinate):
+        return DTensor(xp.zeros(layout.local_shape(mesh.coordinate), dtype), mesh, layout)
+    return DTensor(make(), mesh, layout)
 
 
 def _make(

@@ -84,6 +84,15 @@ class Layout:
                 index[p.dim] = slice(start, start + sizes[coordinate[m]])
         return tuple(index)
 
+    def zero_term(self, coordinate: Sequence[int]) -> bool:
+        """Whether this coordinate's piece is a zero term of a ``Partial("sum")``: a value
+        made here (distributed, filled, drawn or assigned) is held once, by the first rank of
+        each such mesh dimension, so that the sum is the value."""
+        return any(
+            isinstance(p, Partial) and p.op == "sum" and coordinate[m] != 0
+            for m, p in enumerate(self.placements)
+        )
+
     def with_placement(self, mesh_dim: int, placement: Placement, sizes=None) -> Layout:
         placements = list(self.placements)
         all_sizes = list(self.sizes)

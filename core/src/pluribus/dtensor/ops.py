@@ -464,11 +464,7 @@ def setitem(x: DTensor, index: Any, value: Any) -> None:
                 f"setitem: a {type(value).__name__} value for {xp.__name__} pieces; give the "
                 "value in the pieces' array library"
             )
-    zero = any(
-        isinstance(p, Partial) and p.op == "sum" and mesh.coordinate[m] != 0
-        for m, p in enumerate(layout.placements)
-    )
-    x.local_to_write()[local_index] = 0 if zero else part
+    x.local_to_write()[local_index] = 0 if layout.zero_term(mesh.coordinate) else part
 
 
 def _indexed(x: DTensor, index: Any) -> tuple[Layout, tuple]:
