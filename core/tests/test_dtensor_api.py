@@ -538,8 +538,26 @@ def _numpy_functions_body():
         np.testing.assert_allclose(got.full_tensor(), want)
     with pytest.raises(TypeError, match="not one array on this rank; use x.full_tensor"):
         np.asarray(x)
-    with pytest.raises(TypeError, match="maximum on a DTensor has no placement rule"):
-        np.maximum(x, x)
+    # a binary ufunc: elementwise on equal layouts or with a scalar
+    for got, want in [
+        (np.maximum(x, 0), np.maximum(whole, 0)),
+        (np.maximum(x, x * 2), np.maximum(whole, whole * 2)),
+        (np.greater(x, 0.5), whole > 0.5),
+        (np.arctan2(1.0, x), np.arctan2(1.0, whole)),
+    ]:
+        assert isinstance(got, DTensor) and got.placements == (Shard(0),)
+        np.testing.assert_array_equal(got.full_tensor(), want)
+    cols = distribute_tensor(whole, mesh, [Shard(1)])
+    with pytest.raises(
+        ValueError, match=r"maximum of Shard\(0\) and Shard\(1\) on mesh dimension 0"
+    ):
+        np.maximum(x, cols)
+    with pytest.raises(
+        ValueError, match=r"maximum of Partial\(\) \(mesh dimension 0\) and a scalar would change"
+    ):
+        np.maximum(distribute_tensor(whole, mesh, [Partial()]), 0)
+    with pytest.raises(TypeError, match="divmod on a DTensor has no placement rule"):
+        np.divmod(x, 2)
     with pytest.raises(TypeError, match="add on a DTensor has no placement rule with out"):
         np.add(x, 1.0, out=np.empty(1))
     with pytest.raises(ValueError, match="sum of a DTensor takes no dtype="):

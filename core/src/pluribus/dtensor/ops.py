@@ -700,17 +700,22 @@ _UFUNC_RULES = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide:
 
 def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DTensor:
     """A numpy ufunc called on DTensors (``np.exp(x)``, ``np.float32(2) * x``, ``x + a
-    numpy scalar``), by the rules above; anything else is refused, not run on the pieces."""
+    numpy scalar``, ``np.maximum(x, 0)``), by the rules above; anything else is refused, not
+    run on the pieces."""
     rule = _UFUNC_RULES.get(ufunc)
     if method == "__call__" and not kwargs:
         if rule is not None and len(inputs) == ufunc.nin:
             return rule(*inputs)
         if ufunc.nin == 1 and ufunc.nout == 1:
             return elementwise(ufunc, inputs[0])
+        if ufunc.nin == 2 and ufunc.nout == 1 and len(inputs) == 2:
+            # np.maximum(x, 0), np.greater(x, y): elementwise on equal layouts or with a
+            # scalar; no Partial (the rule of a sum or a max is the operator's own)
+            return _binary(ufunc.__name__, *inputs, ufunc)
     raise TypeError(
         f"rank {_rank()}: numpy's {ufunc.__name__}"
         f"{'' if method == '__call__' else '.' + method} on a DTensor has no placement rule"
-        f"{' with ' + ', '.join(kwargs) if kwargs else ''}; DTensors take unary elementwise "
-        "ufuncs and + - * / ** with their rules. Use x.to_local() for this rank's piece or "
-        "x.full_tensor() for the whole array"
+        f"{' with ' + ', '.join(kwargs) if kwargs else ''}; DTensors take unary and binary "
+        "elementwise ufuncs and + - * / ** with their rules. Use x.to_local() for this rank's "
+        "piece or x.full_tensor() for the whole array"
     )
