@@ -917,3 +917,41 @@ def _uneven_on_a_real_backend():
 def test_uneven_layouts_on_gloo_processes():
     pytest.importorskip("pluribus_gloo")
     assert run_ranks(_uneven_on_a_real_backend, 3, backend="gloo", timeout=100) == [True] * 3
+
+
+def _astype_and_comparisons_body():
+    mesh = init_device_mesh("cpu", (2,))
+    rank = pb.get_rank()
+    whole = np.arange(-3.0, 7.0).reshape(5, 2)
+    x = distribute_tensor(whole, mesh, [Shard(0)])
+    narrow = x.astype(np.float32)
+    assert narrow.dtype == np.float32 and narrow.placements == (Shard(0),)
+    assert not np.shares_memory(narrow.to_local(), x.to_local())
+    np.testing.assert_array_equal(narrow.full_tensor(), whole.astype(np.float32))
+    for got, want in [(x > 2, whole > 2), (x <= x * 2, whole <= whole * 2), (1 < x, 1 < whole)]:
+        assert got.dtype == np.bool_ and got.placements == (Shard(0),)
+        np.testing.assert_array_equal(got.full_tensor(), want)
+    # Partial: casts that keep the reduced value, and those refused
+    terms = np.array([1.5, -2.0]) * (rank + 1)
+    summed = from_local(terms.astype(np.float32), mesh, [Partial()])
+    np.testing.assert_array_equal(summed.astype(np.float64).full_tensor(), [4.5, -6.0])
+    peak = from_local(terms, mesh, [Partial("max")])
+    np.testing.assert_array_equal(peak.astype(np.float32).full_tensor(), [3.0, -2.0])
+    errors = []
+    for call in (
+        lambda: from_local(np.array([100, 100], np.int8), mesh, [Partial()]).astype(np.int64),
+        lambda: from_local(terms, mesh, [Partial()]).astype(np.float32),
+        lambda: from_local(np.array([300, -1]), mesh, [Partial("max")]).astype(np.int8),
+    ):
+        with pytest.raises(ValueError) as refused:
+            call()
+        errors.append(str(refused.value))
+    assert all(e.startswith(f"rank {rank}: astype of Partial") for e in errors), errors
+    assert "narrow integers wrap" in errors[0]
+    assert "from float64 to float32" in errors[1] and "redistribute to Replicate" in errors[1]
+    assert "Partial('max') (mesh dimension 0) from int64 to int8" in errors[2]
+    return True
+
+
+def test_astype_and_comparisons_follow_the_placement_rules():
+    assert run_ranks(_astype_and_comparisons_body, 2, timeout=40) == [True, True]

@@ -356,6 +356,25 @@ class DTensor:
     def __pow__(self, exponent):
         return _ops().power(self, exponent)
 
+    # comparisons go through numpy's ufuncs and their rule (no __eq__: a DTensor stays
+    # hashable, compared by identity)
+    def __lt__(self, other):
+        return np.less(self, other)
+
+    def __le__(self, other):
+        return np.less_equal(self, other)
+
+    def __gt__(self, other):
+        return np.greater(self, other)
+
+    def __ge__(self, other):
+        return np.greater_equal(self, other)
+
+    def astype(self, dtype):
+        """numpy's ``x.astype(dtype)``: every piece cast (a copy), where the cast keeps the
+        value a Partial reduces to (:func:`ops.astype`)."""
+        return _ops().astype(self, dtype)
+
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         return _ops().array_ufunc(ufunc, method, inputs, kwargs)
 

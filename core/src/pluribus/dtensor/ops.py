@@ -224,6 +224,29 @@ def power(x: DTensor, exponent: Any) -> DTensor:
     return elementwise(power, x)
 
 
+def astype(x: DTensor, dtype: Any) -> DTensor:
+    """Every piece cast to ``dtype``. Replicate and Shard take any cast. A Partial keeps its
+    value only under some: a sum's or an average's terms a safe cast (not of bool or narrow
+    integers, which were or-ed or wrapped), a max's or min's terms a monotone one (a safe cast,
+    or between floats)."""
+    source, target = np.dtype(x.dtype), np.dtype(dtype)
+    for m, p in enumerate(x.placements):
+        if not isinstance(p, Partial) or target == source:
+            continue
+        if p.op in _LINEAR:
+            _refuse_widened(p, m, source, target, "astype")
+            kept = np.can_cast(source, target, "safe")
+        else:
+            kept = np.can_cast(source, target, "safe") or (_is_float(source) and _is_float(target))
+        if not kept:
+            _fail(
+                f"astype of {p!r} (mesh dimension {m}) from {source} to {target}: the terms "
+                "cast one by one would not reduce to the value cast; redistribute to Replicate "
+                "first"
+            )
+    return DTensor(x.to_local().astype(target), x.device_mesh, x.layout)
+
+
 def transpose(x: DTensor) -> DTensor:
     """Reverse the dimensions (``x.T``)."""
     return permute(x, tuple(reversed(range(x.ndim))))
