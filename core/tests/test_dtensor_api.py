@@ -950,6 +950,13 @@ def _astype_and_comparisons_body():
     assert "narrow integers wrap" in errors[0]
     assert "from float64 to float32" in errors[1] and "redistribute to Replicate" in errors[1]
     assert "Partial('max') (mesh dimension 0) from int64 to int8" in errors[2]
+    with pytest.raises(ValueError, match=f"rank {rank}: astype to complex128: the collectives"):
+        x.astype(np.complex128)
+    # a comparison's truth is ambiguous, as numpy's is: no `if x < 0` taken on len() alone
+    with pytest.raises(ValueError, match=f"rank {rank}: the truth value of a DTensor"):
+        bool(x < 0)
+    with pytest.raises(ValueError, match="truth value"):
+        max(distribute_tensor(np.array([5.0]), mesh, [Replicate()]), 0)
     return True
 
 

@@ -356,6 +356,15 @@ class DTensor:
     def __pow__(self, exponent):
         return _ops().power(self, exponent)
 
+    def __bool__(self):
+        # numpy raises for an array of more than one element; without this, ``len`` would
+        # make ``if x < 0:``, ``max(x, 0)`` and ``sorted`` silently take any nonempty DTensor
+        # as true (its value is on other ranks: no local answer is the same everywhere)
+        raise ValueError(
+            f"rank {_rank()}: the truth value of a DTensor is ambiguous; use "
+            "x.full_tensor().any() / .all(), or x.to_local() for this rank's piece"
+        )
+
     # comparisons go through numpy's ufuncs and their rule (no __eq__: a DTensor stays
     # hashable, compared by identity)
     def __lt__(self, other):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import bfloat16_dtype
+from ..arrays import bfloat16_dtype, supported_dtypes
 from ..nn.module import array_namespace
 from .api import DTensor, _rank
 from .layout import Layout
@@ -230,6 +230,12 @@ def astype(x: DTensor, dtype: Any) -> DTensor:
     integers, which were or-ed or wrapped), a max's or min's terms a monotone one (a safe cast,
     or between floats)."""
     source, target = np.dtype(x.dtype), np.dtype(dtype)
+    if target not in supported_dtypes():
+        # as distribute_tensor and from_local(Partial) refuse it: no collective carries it
+        _fail(
+            f"astype to {target}: the collectives do not carry it; use one of "
+            f"{', '.join(sorted(str(d) for d in supported_dtypes()))}"
+        )
     for m, p in enumerate(x.placements):
         if not isinstance(p, Partial) or target == source:
             continue
