@@ -145,19 +145,16 @@ def _located(values: tuple, pairs: Pairs, mesh: DeviceMesh) -> list:
 
 
 def _moved(values: tuple, pairs: Pairs, located: list) -> tuple[list, list]:
+    """The values moved (``located``: their DTensors, None for one that stays), and the whole
+    shape of each moved one, which its gradient's move back needs."""
     moved, shapes = [], []
-    for value, (src, dst), dt in zip(values, pairs, located, strict=True):
+    for value, (_, dst), dt in zip(values, pairs, located, strict=True):
         if dt is None:
             moved.append(value)
             shapes.append(None)
-            continue
-        out = dt.redistribute(placements=[dst]).to_local()
-        whole = list(value.shape)
-        if isinstance(src, Shard):
-            dim = src.dim % len(whole)
-            whole[dim] = out.shape[dim]
-        moved.append(out)
-        shapes.append(tuple(whole))
+        else:
+            moved.append(dt.redistribute(placements=[dst]).to_local())
+            shapes.append(dt.shape)
     return moved, shapes
 
 
@@ -262,27 +259,21 @@ class PrepareModuleInput(ParallelStyle):
         pairs, kwarg_pairs = self.pairs, self.kwarg_pairs
 
         def prepare(m: Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            # every value checked before any moves
-            named = [
-                (name, kwargs[name], pair) for name, pair in kwarg_pairs.items() if name in kwargs
-            ]
-            if named:
-                values, kwpairs = tuple(v for _, v, _ in named), tuple(p for *_, p in named)
-                _check(values, kwpairs, mesh, "keyword input", m, [n for n, _, _ in named])
+            names = [name for name in kwarg_pairs if name in kwargs]  # a name not passed: skipped
+            values = tuple(kwargs[name] for name in names)
+            kwpairs = tuple(kwarg_pairs[name] for name in names)
+            # every value checked, and its sizes exchanged, before any moves
+            _check(values, kwpairs, mesh, "keyword input", m, names)
             if pairs is not None:
                 _check(args, pairs, mesh, "input", m)
-            # sizes exchanged and checked for every value before any moves
-            located = _located(args, pairs, mesh) if pairs is not None else None
-            kw_located = _located(values, kwpairs, mesh) if named else None
+                located = _located(args, pairs, mesh)
+            kw_located = _located(values, kwpairs, mesh)
             if pairs is not None:
                 moved, m._tp_input_shapes = _moved(args, pairs, located)
                 args = tuple(moved)
-            if named:
-                kwargs = dict(kwargs)
-                for (name, *_), value in zip(
-                    named, _moved(values, kwpairs, kw_located)[0], strict=True
-                ):
-                    kwargs[name] = value
+            if names:
+                moved = _moved(values, kwpairs, kw_located)[0]
+                kwargs = {**kwargs, **dict(zip(names, moved, strict=True))}
             return args, kwargs
 
         def restore(m: Module, grad_input: tuple, grad_output: tuple) -> tuple:
