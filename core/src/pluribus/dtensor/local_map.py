@@ -111,14 +111,14 @@ def local_map(
         out = func(*pieces, **kwargs)
         if not any(isinstance(a, DTensor) for a in args):
             return out
-        try:
-            results, problem = _results(out, one, outs), None
-        except (TypeError, ValueError) as exc:
-            results, problem = None, (type(exc).__name__, str(exc))
         if run_check:  # a rank whose results are refused must not leave the others waiting
-            _agree(problem, mesh)  # in from_local's exchange
-        elif problem is not None:
-            raise (TypeError if problem[0] == "TypeError" else ValueError)(problem[1])
+            try:  # in from_local's exchange: every rank learns of it and raises
+                results, problem = _results(out, one, outs), None
+            except (TypeError, ValueError) as exc:
+                results, problem = None, (type(exc).__name__, str(exc))
+            _agree(problem, mesh)
+        else:
+            results = _results(out, one, outs)
         # each DTensor owns its piece: a result that is (a view of) an argument's piece or an
         # earlier result is copied (a write or a donation of one would change the other)
         owned = [p for a, p in zip(args, pieces, strict=True) if isinstance(a, DTensor)]
