@@ -288,3 +288,25 @@ def test_an_aborted_store_ends_its_waits_and_keeps_its_timeout():
         store.get("there")
     with pytest.raises(pb.PluribusError, match="rank 3 died"):
         store.check(["there"])
+
+
+@pytest.mark.timeout(30)
+def test_a_threads_mailbox_made_while_a_send_arrives_keeps_the_message():
+    """The window in which a mailbox is made (a garbage collection there runs finalizers and
+    lets other threads in) is widened to 50 ms: a send landing in it reaches the receiver."""
+
+    def slow_mailbox():
+        time.sleep(0.05)
+        return collections.deque()
+
+    fabric = threads._Fabric(2)
+    fabric.boxes = collections.defaultdict(slow_mailbox)
+    sender, receiver = (threads.ThreadsBackend(fabric, r, 2, 2.0) for r in range(2))
+    got = np.zeros(3)
+    receiving = threading.Thread(target=receiver.recv, args=(got, 0, 7))
+    receiving.start()
+    time.sleep(0.01)  # the receiver is making the mailbox
+    sender.send(np.arange(3.0), 1, 7)
+    receiving.join(5)
+    assert not receiving.is_alive()
+    np.testing.assert_array_equal(got, np.arange(3.0))

@@ -57,9 +57,11 @@ class ThreadsBackend(Backend):
 
     def recv(self, array: Any, src: int, tag: int = 0) -> None:
         f = self.fabric
-        box = f.boxes[(src, self.rank, tag)]
         start = time.monotonic()
         with f.cond:
+            # the mailbox is looked up (made, if new) under the lock, as send does: made outside
+            # it, a send between the factory and the store lands in a box nobody reads
+            box = f.boxes[(src, self.rank, tag)]
             ok = f.cond.wait_for(lambda: box or f.failed, self.timeout)
             if not ok:
                 raise DistTimeoutError(
