@@ -210,3 +210,92 @@ def test_replicated_reshapes_of_any_shape_pass_through():
     for placements, local in run_ranks(reshaped, 2):
         assert placements == (Replicate(),)
         np.testing.assert_array_equal(local, np.arange(12.0).reshape(3, 1, 4))
+
+
+def _transposed(mesh_shape, shape, placements, dtype, order, pair, counting):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    x = distribute_tensor(np.arange(math.prod(shape), dtype=dtype).reshape(shape), mesh, placements)
+    mark = counting.mark(pb.get_rank())
+    made = [np.transpose(x), np.transpose(x, order), x.transpose(order), x.T]
+    if pair is not None:
+        made += [np.swapaxes(x, *pair), np.moveaxis(x, *pair)]
+    sent = counting.since(pb.get_rank(), mark)
+    return [(y.full_tensor(), y.placements) for y in made], sent
+
+
+class _Order:
+    """What ``np.moveaxis`` asks of an array: the order it hands ``transpose``."""
+
+    def __init__(self, ndim):
+        self.ndim = ndim
+
+    def transpose(self, order):
+        return tuple(order)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_transpose_swapaxes_and_moveaxis_are_numpys_and_send_nothing(data):
+    mesh, shape, placements, dtype = data.draw(layout_cases(favour_shards=True))
+    n = len(shape)
+    order = tuple(data.draw(st.permutations(range(n))))
+    pair = (data.draw(st.integers(-n, n - 1)), data.draw(st.integers(-n, n - 1))) if n else None
+    with counting_collectives("test-dtensor-transpose-counting") as counting:
+        results = run_ranks(
+            _transposed,
+            math.prod(mesh),
+            args=(mesh, shape, placements, dtype, order, pair, counting),
+        )
+    whole = np.arange(math.prod(shape), dtype=dtype).reshape(shape)
+    reverse = tuple(reversed(range(n)))
+    orders = [reverse, order, order, reverse]
+    if pair is not None:
+        swapped = list(range(n))
+        i, j = pair[0] % n, pair[1] % n
+        swapped[i], swapped[j] = swapped[j], swapped[i]
+        orders += [tuple(swapped), np.moveaxis(_Order(n), *pair)]
+    for made, sent in results:
+        assert sent == []
+        assert len(made) == len(orders)
+        for (got, got_placements), axes in zip(made, orders, strict=True):
+            np.testing.assert_array_equal(got, np.transpose(whole, axes))
+            # a shard follows its dimension to its new place
+            assert list(got_placements) == [
+                Shard(axes.index(p.dim)) if isinstance(p, Shard) else p for p in placements
+            ]
+
+
+def _ambiguous_transposes():
+    mesh = init_device_mesh("cpu", (2,))
+    square = distribute_tensor(np.arange(6.0).reshape(2, 3), mesh, [Shard(0)])
+    cube = distribute_tensor(np.arange(24.0).reshape(2, 3, 4), mesh, [Shard(2)])
+    swapped = square.transpose(1, 0)  # torch's swap and numpy's order agree
+    same = square.transpose((0, 1))  # a tuple is numpy's spelling only
+    return (
+        (swapped.placements, swapped.full_tensor()),
+        (same.placements, same.full_tensor()),
+        errors_of(
+            (
+                lambda: square.transpose(0, 1),
+                lambda: square.transpose(-2, -1),
+                lambda: cube.transpose(0, 2),
+                lambda: cube.swapaxes(0, 3),
+                lambda: cube.transpose(0, 1, 1),
+            )
+        ),
+    )
+
+
+def test_a_transpose_numpy_and_torch_read_differently_is_refused():
+    for rank, (swapped, same, errors) in enumerate(run_ranks(_ambiguous_transposes, 2)):
+        assert swapped[0] == (Shard(1),)
+        np.testing.assert_array_equal(swapped[1], np.arange(6.0).reshape(2, 3).T)
+        assert same[0] == (Shard(0),)
+        np.testing.assert_array_equal(same[1], np.arange(6.0).reshape(2, 3))
+        assert all(e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "transpose(0, 1) of a 2-d DTensor" in errors[0]
+        assert "x.swapaxes(0, 1), or x.transpose((0, 1))" in errors[0]
+        assert "transpose(-2, -1) of a 2-d DTensor" in errors[1]
+        assert "x.swapaxes(0, 2), or x.transpose((0, 2, ...))" in errors[2]
+        assert "swapaxes of a 3-d DTensor takes two of its dimensions, got (0, 3)" in errors[3]
+        assert "permute of a 3-d DTensor takes each of its dimensions once" in errors[4]

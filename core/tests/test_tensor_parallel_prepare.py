@@ -362,14 +362,18 @@ def _keyword_inputs(with_positional: bool):
         mesh,
         PrepareModuleInput(
             **positional,
-            input_kwarg_layouts={"table": Shard(0), "mask": Replicate(), "absent": Shard(0)},
+            input_kwarg_layouts={
+                "table": Shard(0), "mask": Replicate(), "absent": Shard(0), "bias": None
+            },
             desired_input_kwarg_layouts={
-                "table": Replicate(), "mask": Shard(0), "absent": Replicate()
+                "table": Replicate(), "mask": Shard(0), "absent": Replicate(), "bias": None
             },
         ),
     )  # fmt: skip
     given = piece(x, Shard(1), rank, world) if with_positional else x
-    probe.forward(given, table=piece(table, Shard(0), rank, world), mask=mask, scale=2.0)
+    bias = np.full(rank + 1, 7.0)  # None in both: left as it is, whatever its shape
+    probe.forward(given, table=piece(table, Shard(0), rank, world), mask=mask, scale=2.0, bias=bias)
+    assert probe.seen_kwargs["bias"] is bias
     np.testing.assert_array_equal(probe.seen[0], x)
     np.testing.assert_array_equal(probe.seen_kwargs["table"], table)
     np.testing.assert_array_equal(probe.seen_kwargs["mask"], piece(mask, Shard(0), rank, world))
@@ -425,6 +429,9 @@ def _keyword_refusals():
                 input_kwarg_layouts={"x": Shard(0)}, desired_input_kwarg_layouts={"x": Replicate()}
             ),
         ),
+        lambda: PrepareModuleInput(
+            input_kwarg_layouts={"mask": None}, desired_input_kwarg_layouts={"mask": Replicate()}
+        ),
     ):
         try:
             call()
@@ -444,6 +451,8 @@ def test_keyword_inputs_are_refused_before_anything_moves(world):
         assert "keyword input table" in errors[1] and "leave the keyword out" in errors[1]
         assert "'x' is its forward's first input" in errors[2]
         assert "pass it positionally" in errors[2]
+        assert "input_kwarg_layouts['mask']=None): give a Placement" in errors[3]
+        assert "or None in both dicts for a keyword left as it is" in errors[3]
 
 
 @pytest.mark.timeout(60)

@@ -415,6 +415,16 @@ class DTensor:
     def T(self):
         return _ops().transpose(self)
 
+    def transpose(self, *axes):
+        """numpy's ``x.transpose()``, ``x.transpose(1, 0, 2)`` or ``x.transpose((1, 0, 2))``;
+        ``np.transpose`` and ``np.moveaxis`` call it (:func:`ops.transpose`)."""
+        return _ops().transpose(self, axes)
+
+    def swapaxes(self, axis1, axis2):
+        """numpy's ``x.swapaxes(0, 1)`` (``np.swapaxes`` calls it), torch's two-dimension
+        ``transpose``."""
+        return _ops().swapaxes(self, axis1, axis2)
+
     def permute(self, *dims):
         """torch's ``x.permute(1, 0, 2)`` (or a tuple): the dimensions in that order."""
         return _ops().permute(self, _one_or_many(dims))

@@ -253,9 +253,34 @@ def astype(x: DTensor, dtype: Any) -> DTensor:
     return DTensor(x.to_local().astype(target), x.device_mesh, x.layout)
 
 
-def transpose(x: DTensor) -> DTensor:
-    """Reverse the dimensions (``x.T``)."""
-    return permute(x, tuple(reversed(range(x.ndim))))
+def transpose(x: DTensor, axes: tuple = ()) -> DTensor:
+    """numpy's ``transpose``: the dimensions reversed (no axes, or None), or in the order
+    ``axes`` (one sequence, or the integers themselves). Two integers that torch would read as a
+    swap and numpy as an order (``(0, 1)`` on a 2-d DTensor, any two on another) are refused,
+    naming the two spellings that say which."""
+    if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (list, tuple))):
+        axes = () if axes[0] is None else tuple(axes[0])
+    elif len(axes) == 2 and all(_is_integer(a) for a in axes):
+        n = x.ndim
+        if not (n == 2 and [operator.index(a) % 2 for a in axes] == [1, 0]):
+            a, b = axes
+            _fail(
+                f"transpose({a}, {b}) of a {n}-d DTensor: torch reads it as a swap of two "
+                "dimensions, numpy as the order of all of them; say which: "
+                f"x.swapaxes({a}, {b}), or x.transpose(({a}, {b}{', ...' if n > 2 else ''}))"
+            )
+    return permute(x, axes if axes else tuple(reversed(range(x.ndim))))
+
+
+def swapaxes(x: DTensor, axis1: Any, axis2: Any) -> DTensor:
+    """Two dimensions swapped (numpy's ``swapaxes``, torch's ``transpose(dim0, dim1)``)."""
+    n = x.ndim
+    if not all(_is_integer(a) and -n <= a < n for a in (axis1, axis2)):
+        _fail(f"swapaxes of a {n}-d DTensor takes two of its dimensions, got ({axis1}, {axis2})")
+    order = list(range(n))
+    i, j = operator.index(axis1) % n, operator.index(axis2) % n
+    order[i], order[j] = order[j], order[i]
+    return permute(x, tuple(order))
 
 
 # -- shapes ----------------------------------------------------------------------------------

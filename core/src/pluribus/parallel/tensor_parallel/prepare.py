@@ -93,8 +93,9 @@ def _check(
 
 
 def _kwarg_pairs(given: dict | None, wanted: dict | None) -> dict[str, tuple]:
-    """The (layout, desired layout) of each keyword input by name, checked: dicts of
-    Placements with the same names, no Partial."""
+    """The (layout, desired layout) of each keyword input that moves, by name, checked: dicts
+    with the same names, of Placements (no Partial), or None in both for a keyword left as it
+    is (torch's None)."""
     given, wanted = given or {}, wanted or {}
     if not isinstance(given, dict) or not isinstance(wanted, dict) or given.keys() != wanted.keys():
         raise ValueError(
@@ -102,7 +103,8 @@ def _kwarg_pairs(given: dict | None, wanted: dict | None) -> dict[str, tuple]:
             f"desired_input_kwarg_layouts={wanted!r}): give two dicts with the same keyword "
             "names, a layout and a desired layout for each"
         )
-    for name in given:
+    moved = [name for name in given if given[name] is not None or wanted[name] is not None]
+    for name in moved:
         for layouts, layout in (
             ("input_kwarg_layouts", given),
             ("desired_input_kwarg_layouts", wanted),
@@ -110,14 +112,15 @@ def _kwarg_pairs(given: dict | None, wanted: dict | None) -> dict[str, tuple]:
             if not isinstance(layout[name], Placement):
                 raise TypeError(
                     f"rank {dist.get_rank()}: PrepareModuleInput({layouts}[{name!r}]="
-                    f"{layout[name]!r}): give a Placement (Replicate(), Shard(d))"
+                    f"{layout[name]!r}): give a Placement (Replicate(), Shard(d)), or None in "
+                    "both dicts for a keyword left as it is"
                 )
         _no_partial(
             "PrepareModuleInput",
             **{f"input_kwarg_layouts[{name!r}]": given[name],
                f"desired_input_kwarg_layouts[{name!r}]": wanted[name]},
         )  # fmt: skip
-    return {name: (given[name], wanted[name]) for name in given}
+    return {name: (given[name], wanted[name]) for name in moved}
 
 
 def _same(src: Placement, dst: Placement, ndim: int) -> bool:
@@ -212,7 +215,8 @@ class PrepareModuleInput(ParallelStyle):
     gradients after any other style's backward hook (a split's sum of partial gradients).
 
     Keyword inputs move with ``input_kwarg_layouts`` and ``desired_input_kwarg_layouts``
-    (dicts by name, the same names in both; a name not passed in a call is skipped), forward
+    (dicts by name, the same names in both, None in both for one left alone; a name not
+    passed in a call is skipped), forward
     only: a pluribus.nn backward gives gradients of positional inputs, so a keyword input is
     one without a gradient (a mask, a position table). ``input_layouts`` may then be left out,
     leaving the positional inputs alone. ``use_local_output`` is True only (torch's default is
@@ -224,8 +228,8 @@ class PrepareModuleInput(ParallelStyle):
         *,
         input_layouts: Layouts = None,
         desired_input_layouts: Layouts = None,
-        input_kwarg_layouts: dict[str, Placement] | None = None,
-        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        input_kwarg_layouts: dict[str, Placement | None] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement | None] | None = None,
         use_local_output: bool = True,
     ):
         _local_output_only("PrepareModuleInput", use_local_output)
