@@ -562,6 +562,15 @@ def _numpy_functions_body():
         np.add(x, 1.0, out=np.empty(1))
     with pytest.raises(ValueError, match="sum of a DTensor takes no dtype="):
         np.sum(x, dtype=np.float32)
+    # numpy's own type errors (no loop for those dtypes) say the rank and the operation
+    rank = pb.get_rank()
+    for call, what in [
+        (lambda: np.bitwise_and(x, x), "bitwise_and of float64 and float64"),
+        (lambda: np.left_shift(x, 1), "left_shift of float64 and int"),
+        (lambda: np.invert(x), "elementwise invert of float64"),
+    ]:
+        with pytest.raises(TypeError, match=rf"^rank {rank}: {what}: ufunc '\w+' not supported"):
+            call()
     terms = [np.array([1.0, -5.0]), np.array([0.0, -2.0])][pb.get_rank()]
     peak = from_local(terms, mesh, [Partial("max")])
     assert np.negative(peak).placements == (Partial("min"),)

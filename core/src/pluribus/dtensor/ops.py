@@ -30,6 +30,16 @@ def _fail(message: str):
     raise ValueError(f"rank {_rank()}: {message}")
 
 
+def _on_pieces(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on local pieces (or empty stand-ins), numpy's type errors (no loop of the
+    ufunc for those dtypes: the same on every rank) said with the rank and the operation."""
+    try:
+        return fn(*args)
+    except TypeError as error:
+        dtypes = " and ".join(str(getattr(a, "dtype", type(a).__name__)) for a in args)
+        raise TypeError(f"rank {_rank()}: {what} of {dtypes}: {error}") from error
+
+
 def _same_mesh(a: DTensor, b: DTensor, what: str) -> None:
     if a.device_mesh is not b.device_mesh and a.device_mesh != b.device_mesh:
         _fail(
@@ -115,11 +125,11 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
                 )
         la, lb = a.to_local(), b.to_local()
         if terms:  # the result's dtype from host arrays of no elements: no arithmetic, no device
-            result = fn(np.empty(0, la.dtype), np.empty(0, lb.dtype)).dtype
+            result = _on_pieces(name, fn, np.empty(0, la.dtype), np.empty(0, lb.dtype)).dtype
             for m, p, operand in terms:
                 _refuse_widened(p, m, operand.dtype, result, name)
         layout = Layout(a.shape, tuple(placements), a.layout.sizes)
-        return DTensor(fn(la, lb), a.device_mesh, layout)
+        return DTensor(_on_pieces(name, fn, la, lb), a.device_mesh, layout)
     x, given = (a, b) if isinstance(a, DTensor) else (b, a)
     scalar = _host_scalar(given)
     if scalar is _NOT_A_SCALAR:
@@ -132,7 +142,7 @@ def _binary(name: str, a: Any, b: Any, fn: Callable[[Any, Any], Any]) -> DTensor
     local = x.to_local()
     empty = array_namespace(local).empty(0, local.dtype)  # the result's dtype, no arithmetic
     source = np.dtype(local.dtype)
-    result = np.dtype(fn(*(empty if v is x else v for v in (a, b))).dtype)
+    result = np.dtype(_on_pieces(name, fn, *(empty if v is x else v for v in (a, b))).dtype)
     for m, p in enumerate(x.placements):
         if not isinstance(p, Partial):
             continue
@@ -202,7 +212,7 @@ def elementwise(fn: Callable[[Any], Any], x: DTensor) -> DTensor:
                 f"elementwise {getattr(fn, '__name__', fn)} of {p!r} on mesh dimension {m}; "
                 "redistribute to Replicate first"
             )
-    out = fn(x.to_local())
+    out = _on_pieces(f"elementwise {getattr(fn, '__name__', fn)}", fn, x.to_local())
     if tuple(out.shape) != tuple(x.to_local().shape):
         _fail("elementwise functions must keep the shape of their input")
     return DTensor(out, x.device_mesh, x.layout)
