@@ -298,4 +298,4 @@ def test_a_transpose_numpy_and_torch_read_differently_is_refused():
         assert "transpose(-2, -1) of a 2-d DTensor" in errors[1]
         assert "x.swapaxes(0, 2), or x.transpose((0, 2, ...))" in errors[2]
         assert "swapaxes of a 3-d DTensor takes two of its dimensions, got (0, 3)" in errors[3]
-        assert "permute of a 3-d DTensor takes each of its dimensions once" in errors[4]
+        assert "transpose of a 3-d DTensor takes each of its dimensions once" in errors[4]

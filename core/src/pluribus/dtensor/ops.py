@@ -279,7 +279,7 @@ def transpose(x: DTensor, axes: tuple = ()) -> DTensor:
                 "dimensions, numpy as the order of all of them; say which: "
                 f"x.swapaxes({a}, {b}), or x.transpose(({a}, {b}{', ...' if n > 2 else ''}))"
             )
-    return permute(x, axes if axes else tuple(reversed(range(x.ndim))))
+    return permute(x, axes if axes else tuple(reversed(range(x.ndim))), "transpose")
 
 
 def swapaxes(x: DTensor, axis1: Any, axis2: Any) -> DTensor:
@@ -296,7 +296,7 @@ def swapaxes(x: DTensor, axis1: Any, axis2: Any) -> DTensor:
 # -- shapes ----------------------------------------------------------------------------------
 
 
-def permute(x: DTensor, dims: Any) -> DTensor:
+def permute(x: DTensor, dims: Any, what: str = "permute") -> DTensor:
     """The dimensions in the order ``dims`` (torch's ``permute``, numpy's ``transpose(axes)``):
     a ``Shard(d)`` becomes ``Shard`` of where ``d`` went; the pieces are transposed locally."""
     n = x.ndim
@@ -305,7 +305,7 @@ def permute(x: DTensor, dims: Any) -> DTensor:
     except TypeError:
         order = None
     if order is None or sorted(order) != list(range(n)) or any(not -n <= d < n for d in dims):
-        _fail(f"permute of a {n}-d DTensor takes each of its dimensions once, got {tuple(dims)}")
+        _fail(f"{what} of a {n}-d DTensor takes each of its dimensions once, got {tuple(dims)}")
     placements = tuple(
         Shard(order.index(p.dim)) if isinstance(p, Shard) else p for p in x.placements
     )
