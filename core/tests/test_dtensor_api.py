@@ -17,6 +17,7 @@ from pluribus.dtensor import (
     Replicate,
     Shard,
     distribute_tensor,
+    elementwise,
     from_local,
     init_device_mesh,
     redistribute_plan,
@@ -562,7 +563,17 @@ def _numpy_functions_body():
         np.add(x, 1.0, out=np.empty(1))
     with pytest.raises(ValueError, match="sum of a DTensor takes no dtype="):
         np.sum(x, dtype=np.float32)
-    # numpy's own type errors (no loop for those dtypes) say the rank and the operation
+
+    # numpy's own type errors (no loop for those dtypes) say the rank and the operation; a
+    # user's function raises what it raises
+    class Unsupported(TypeError):
+        pass
+
+    def unsupported(local):
+        raise Unsupported("no fast path here")
+
+    with pytest.raises(Unsupported, match="^no fast path here$"):
+        elementwise(unsupported, x)
     rank = pb.get_rank()
     for call, what in [
         (lambda: np.bitwise_and(x, x), "bitwise_and of float64 and float64"),

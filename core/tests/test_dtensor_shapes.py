@@ -271,9 +271,11 @@ def _ambiguous_transposes():
     cube = distribute_tensor(np.arange(24.0).reshape(2, 3, 4), mesh, [Shard(2)])
     swapped = square.transpose(1, 0)  # torch's swap and numpy's order agree
     same = square.transpose((0, 1))  # a tuple is numpy's spelling only
+    back = np.transpose(cube, np.argsort([2, 0, 1]))  # axes as an array, as numpy takes them
     return (
         (swapped.placements, swapped.full_tensor()),
         (same.placements, same.full_tensor()),
+        (back.placements, back.full_tensor()),
         errors_of(
             (
                 lambda: square.transpose(0, 1),
@@ -281,21 +283,31 @@ def _ambiguous_transposes():
                 lambda: cube.transpose(0, 2),
                 lambda: cube.swapaxes(0, 3),
                 lambda: cube.transpose(0, 1, 1),
+                lambda: cube.transpose(0, 5),
             )
         ),
     )
 
 
 def test_a_transpose_numpy_and_torch_read_differently_is_refused():
-    for rank, (swapped, same, errors) in enumerate(run_ranks(_ambiguous_transposes, 2)):
+    for rank, (swapped, same, back, errors) in enumerate(run_ranks(_ambiguous_transposes, 2)):
         assert swapped[0] == (Shard(1),)
         np.testing.assert_array_equal(swapped[1], np.arange(6.0).reshape(2, 3).T)
         assert same[0] == (Shard(0),)
         np.testing.assert_array_equal(same[1], np.arange(6.0).reshape(2, 3))
+        assert back[0] == (Shard(1),)
+        np.testing.assert_array_equal(
+            back[1], np.arange(24.0).reshape(2, 3, 4).transpose(np.argsort([2, 0, 1]))
+        )
         assert all(e.startswith(f"rank {rank}: ") for e in errors), errors
-        assert "transpose(0, 1) of a 2-d DTensor" in errors[0]
-        assert "x.swapaxes(0, 1), or x.transpose((0, 1))" in errors[0]
-        assert "transpose(-2, -1) of a 2-d DTensor" in errors[1]
-        assert "x.swapaxes(0, 2), or x.transpose((0, 2, ...))" in errors[2]
+        assert "transpose(0, 1) of a 2-d DTensor is no change to numpy and a swap" in errors[0]
+        assert "say which: x.transpose((0, 1)) or x.swapaxes(0, 1)" in errors[0]
+        assert "x.transpose((-2, -1)) or x.swapaxes(-2, -1)" in errors[1]
+        assert "numpy's transpose takes all 3 dimensions" in errors[2]
+        assert "torch's transpose(0, 2) is x.swapaxes(0, 2)" in errors[2]
         assert "swapaxes of a 3-d DTensor takes two of its dimensions, got (0, 3)" in errors[3]
         assert "transpose of a 3-d DTensor takes each of its dimensions once" in errors[4]
+        assert (
+            "transpose of a 3-d DTensor takes each of its dimensions once, got (0, 5)"
+            in (errors[5])
+        )

@@ -374,6 +374,18 @@ def _keyword_inputs(with_positional: bool):
     bias = np.full(rank + 1, 7.0)  # None in both: left as it is, whatever its shape
     probe.forward(given, table=piece(table, Shard(0), rank, world), mask=mask, scale=2.0, bias=bias)
     assert probe.seen_kwargs["bias"] is bias
+    # keyword layouts of None only: every input left as it is, the positional ones too
+    idle = KeywordProbe()
+    parallelize_module(
+        idle,
+        mesh,
+        PrepareModuleInput(
+            input_kwarg_layouts={"bias": None}, desired_input_kwarg_layouts={"bias": None}
+        ),
+    )
+    idle.forward(x[rank:], bias=bias)
+    np.testing.assert_array_equal(idle.seen[0], x[rank:])
+    assert idle.seen_kwargs["bias"] is bias
     np.testing.assert_array_equal(probe.seen[0], x)
     np.testing.assert_array_equal(probe.seen_kwargs["table"], table)
     np.testing.assert_array_equal(probe.seen_kwargs["mask"], piece(mask, Shard(0), rank, world))

@@ -31,8 +31,9 @@ def _fail(message: str):
 
 
 def _on_pieces(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on local pieces (or empty stand-ins), numpy's type errors (no loop of the
-    ufunc for those dtypes: the same on every rank) said with the rank and the operation."""
+    """``fn(*args)``, a numpy ufunc or operator on local pieces (or empty stand-ins), its type
+    errors (no loop of the ufunc for those dtypes: the same on every rank) said with the rank
+    and the operation, as a TypeError (numpy's own class of it is private)."""
     try:
         return fn(*args)
     except TypeError as error:
@@ -212,7 +213,10 @@ def elementwise(fn: Callable[[Any], Any], x: DTensor) -> DTensor:
                 f"elementwise {getattr(fn, '__name__', fn)} of {p!r} on mesh dimension {m}; "
                 "redistribute to Replicate first"
             )
-    out = _on_pieces(f"elementwise {getattr(fn, '__name__', fn)}", fn, x.to_local())
+    if isinstance(fn, np.ufunc):  # numpy's no-loop errors said with the rank; a user's own
+        out = _on_pieces(f"elementwise {fn.__name__}", fn, x.to_local())
+    else:  # function's errors reach the caller as it raised them
+        out = fn(x.to_local())
     if tuple(out.shape) != tuple(x.to_local().shape):
         _fail("elementwise functions must keep the shape of their input")
     return DTensor(out, x.device_mesh, x.layout)
@@ -265,20 +269,29 @@ def astype(x: DTensor, dtype: Any) -> DTensor:
 
 def transpose(x: DTensor, axes: tuple = ()) -> DTensor:
     """numpy's ``transpose``: the dimensions reversed (no axes, or None), or in the order
-    ``axes`` (one sequence, or the integers themselves). Two integers that torch would read as a
-    swap and numpy as an order (``(0, 1)`` on a 2-d DTensor, any two on another) are refused,
-    naming the two spellings that say which."""
-    if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (list, tuple))):
-        axes = () if axes[0] is None else tuple(axes[0])
+    ``axes`` (one sequence, an array too, or the integers themselves). Two integers that torch
+    reads as a swap are refused where numpy would read them otherwise: ``(0, 1)`` of a matrix
+    (no change to numpy), any two of another DTensor (an error to numpy); the message names
+    the spelling that says it."""
+    if len(axes) == 1 and not _is_integer(axes[0]):  # None, or a sequence of axes
+        try:
+            axes = () if axes[0] is None else tuple(axes[0])
+        except TypeError:
+            pass  # permute refuses it, naming what was given
     elif len(axes) == 2 and all(_is_integer(a) for a in axes):
-        n = x.ndim
-        if not (n == 2 and [operator.index(a) % 2 for a in axes] == [1, 0]):
-            a, b = axes
-            _fail(
-                f"transpose({a}, {b}) of a {n}-d DTensor: torch reads it as a swap of two "
-                "dimensions, numpy as the order of all of them; say which: "
-                f"x.swapaxes({a}, {b}), or x.transpose(({a}, {b}{', ...' if n > 2 else ''}))"
-            )
+        n, (a, b) = x.ndim, axes
+        if all(-n <= v < n for v in axes):  # out of range: permute names the dimensions
+            if n == 2 and [operator.index(v) % 2 for v in axes] == [0, 1]:
+                _fail(
+                    f"transpose({a}, {b}) of a 2-d DTensor is no change to numpy and a swap to "
+                    f"torch; say which: x.transpose(({a}, {b})) or x.swapaxes({a}, {b})"
+                )
+            if n != 2:
+                _fail(
+                    f"transpose({a}, {b}) of a {n}-d DTensor: numpy's transpose takes all {n} "
+                    f"dimensions in their new order; torch's transpose({a}, {b}) is "
+                    f"x.swapaxes({a}, {b})"
+                )
     return permute(x, axes if axes else tuple(reversed(range(x.ndim))), "transpose")
 
 

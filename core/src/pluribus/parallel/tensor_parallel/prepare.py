@@ -234,7 +234,8 @@ class PrepareModuleInput(ParallelStyle):
     ):
         _local_output_only("PrepareModuleInput", use_local_output)
         self.kwarg_pairs = _kwarg_pairs(input_kwarg_layouts, desired_input_kwarg_layouts)
-        if self.kwarg_pairs and input_layouts is None and desired_input_layouts is None:
+        keywords = bool(input_kwarg_layouts or desired_input_kwarg_layouts)
+        if keywords and input_layouts is None and desired_input_layouts is None:
             self.pairs = None  # positional inputs left alone, however many
         else:
             self.pairs = _pairs(
