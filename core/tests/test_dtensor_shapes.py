@@ -311,3 +311,110 @@ def test_a_transpose_numpy_and_torch_read_differently_is_refused():
             "transpose of a 3-d DTensor takes each of its dimensions once, got (0, 5)"
             in (errors[5])
         )
+
+
+def _shape_methods(mesh_shape, shape, placements, dtype, calls, counting):
+    """Each named call's result (whole array, placements) or its refusal, and what was sent."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    x = distribute_tensor(np.arange(math.prod(shape), dtype=dtype).reshape(shape), mesh, placements)
+    mark = counting.mark(pb.get_rank())
+    made = []
+    for name, args in calls:
+        try:
+            made.append(np.squeeze(x, *args) if name == "np.squeeze" else getattr(x, name)(*args))
+        except ValueError as error:
+            made.append(str(error))
+    sent = counting.since(pb.get_rank(), mark)
+    return [
+        ("refused", y)
+        if isinstance(y, str)
+        else ("made", y.full_tensor(), y.placements, y is not x and not _shared(y, x))
+        for y in made
+    ], sent
+
+
+def _shared(y, x) -> bool:
+    return np.shares_memory(y.to_local(), x.to_local())
+
+
+def _numpy_shape_method(whole, name, args):
+    if name in ("flatten",) and args:  # torch's flatten(start_dim, end_dim)
+        n = whole.ndim
+        start, end = args[0] % n, args[1] % n
+        merged = math.prod(whole.shape[start : end + 1])
+        return whole.reshape(*whole.shape[:start], merged, *whole.shape[end + 1 :])
+    if name == "unsqueeze":
+        return np.expand_dims(whole, args[0])
+    if name in ("copy", "clone", "contiguous"):
+        return whole.copy()
+    return np.squeeze(whole, *args) if name == "np.squeeze" else getattr(whole, name)(*args)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_flatten_squeeze_unsqueeze_and_copies_are_numpys_and_send_nothing(data):
+    mesh, shape, placements, dtype = data.draw(
+        layout_cases(favour_shards=True).filter(lambda case: len(case[1]) > 0)
+    )
+    n = len(shape)
+    start, end = sorted(data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2)))
+    ones = tuple(d for d, size in enumerate(shape) if size == 1)
+    calls = [
+        ("flatten", ()),
+        ("ravel", ()),
+        ("flatten", (start - n * data.draw(st.booleans()), end)),
+        ("squeeze", ()),
+        ("np.squeeze", (ones[:1] or None,)),
+        ("unsqueeze", (data.draw(st.integers(-n - 1, n)),)),
+        ("copy", ()),
+        ("clone", ()),
+        ("contiguous", ()),
+    ]
+    with counting_collectives("test-dtensor-shape-methods-counting") as counting:
+        results = run_ranks(
+            _shape_methods, math.prod(mesh), args=(mesh, shape, placements, dtype, calls, counting)
+        )
+    whole = np.arange(math.prod(shape), dtype=dtype).reshape(shape)
+    for made, sent in results:
+        assert sent == []
+        for (name, args), got in zip(calls, made, strict=True):
+            assert got[0] == results[0][0][calls.index((name, args))][0]  # every rank alike
+            if got[0] == "refused":  # only what moves a shard the reshape rules refuse
+                assert name in ("flatten", "ravel", "squeeze", "np.squeeze"), got
+                assert "redistribute mesh dimension" in got[1], got
+                assert any(isinstance(p, Shard) for p in placements)
+                continue
+            _, full, got_placements, owned = got
+            want = _numpy_shape_method(whole, name, args)
+            np.testing.assert_array_equal(full, want)
+            assert full.shape == want.shape
+            assert owned == (name != "contiguous")  # contiguous hands back x itself
+            assert [type(p) for p in got_placements] == [type(p) for p in placements]
+
+
+def _shape_method_refusals():
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(np.arange(24.0).reshape(4, 1, 6), mesh, [Shard(0)])
+    return errors_of(
+        (
+            lambda: x.squeeze(0),
+            lambda: x.flatten(2, 1),
+            lambda: x.flatten("F"),
+            lambda: x.unsqueeze(5),
+            lambda: x.squeeze(3),
+            lambda: distribute_tensor(np.zeros((1, 4)), mesh, [Shard(0)]).squeeze(),
+        )
+    )
+
+
+def test_shape_methods_refuse_what_numpy_and_torch_refuse():
+    for rank, errors in enumerate(run_ranks(_shape_method_refusals, 2)):
+        assert all(e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "squeeze of dimension 0 of a DTensor of shape (4, 1, 6)" in errors[0]
+        assert "only a dimension of size one" in errors[0]
+        assert "flatten of a 3-d DTensor from dimension 2 to 1: start after end" in errors[1]
+        assert "flattens in order 'C' only, got 'F'" in errors[2]
+        assert "unsqueeze of a 3-d DTensor takes a dimension in [-4, 3], got 5" in errors[3]
+        assert "axis 3 does not exist in a 3-d DTensor" in errors[4]
+        assert "squeeze of dimension 0, which mesh dimension 0 shards" in errors[5]
+        assert "redistribute mesh dimension 0 to Replicate first" in errors[5]

@@ -438,6 +438,41 @@ class DTensor:
 
     view = reshape
 
+    def flatten(self, start_dim=0, end_dim=-1):
+        """numpy's ``x.flatten()`` (order "C" only) or torch's ``x.flatten(start_dim,
+        end_dim)``: the dimensions from ``start_dim`` to ``end_dim`` merged. A copy."""
+        if isinstance(start_dim, str):  # numpy's flatten(order)
+            if start_dim != "C":
+                raise ValueError(
+                    f"rank {_rank()}: a DTensor flattens in order 'C' only, got {start_dim!r}"
+                )
+            start_dim = 0
+        return _ops().flatten(self, start_dim, end_dim)
+
+    def ravel(self, order="C"):
+        """numpy's ``x.ravel()``: the whole array as one dimension, a copy (a DTensor never
+        shares its piece)."""
+        return self.flatten(order)
+
+    def squeeze(self, axis=None):
+        """numpy's ``x.squeeze(axis)`` (``np.squeeze`` calls it; torch's ``squeeze(dim)``
+        takes a dimension of size one too, and leaves any other alone where this refuses)."""
+        return _ops().squeeze(self, axis)
+
+    def unsqueeze(self, dim):
+        """torch's ``x.unsqueeze(dim)``: a dimension of size one inserted at ``dim``."""
+        return _ops().unsqueeze(self, dim)
+
+    def copy(self):
+        """numpy's ``x.copy()``, torch's ``clone()``: the same layout, a piece of its own."""
+        return self.__deepcopy__({})
+
+    clone = copy
+
+    def contiguous(self):
+        """torch's ``x.contiguous()``: every piece is C-contiguous already, so ``x`` itself."""
+        return self
+
     def __getitem__(self, index):
         """numpy's basic indexing, without communicating (:func:`ops.getitem`)."""
         return _ops().getitem(self, index)

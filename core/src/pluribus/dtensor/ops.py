@@ -373,7 +373,7 @@ def _dim_groups(old: tuple[int, ...], new: tuple[int, ...]) -> list[tuple[list, 
     return groups
 
 
-def reshape(x: DTensor, shape: Any) -> DTensor:
+def reshape(x: DTensor, shape: Any, what: str = "reshape") -> DTensor:
     """The global array in ``shape`` (numpy's ``reshape``, torch's ``view``; -1 is inferred).
     Neighbouring dimensions that merge or split form groups; a ``Shard`` of the first
     dimension of its group moves to the group's first new dimension, when every rank's piece
@@ -396,7 +396,7 @@ def reshape(x: DTensor, shape: Any) -> DTensor:
             moved = [n * inner_old // inner_new for n in held if n * inner_old % inner_new == 0]
         if moved is None or len(moved) != len(held):
             _fail(
-                f"reshape {x.shape} -> {new} of {p!r} on mesh dimension {m}: the pieces "
+                f"{what} {x.shape} -> {new} of {p!r} on mesh dimension {m}: the pieces "
                 f"({list(held)} along dimension {p.dim}) are not whole rows of any dimension "
                 f"of the result; redistribute mesh dimension {m} to Replicate first, or shard "
                 "the first dimension of those that merge"
@@ -405,6 +405,71 @@ def reshape(x: DTensor, shape: Any) -> DTensor:
     layout = Layout(new, tuple(placements), tuple(sizes))
     local = x.to_local().reshape(layout.local_shape(x.device_mesh.coordinate)).copy()
     return DTensor(local, x.device_mesh, layout)
+
+
+def flatten(x: DTensor, start_dim: Any = 0, end_dim: Any = -1) -> DTensor:
+    """Dimensions ``start_dim`` to ``end_dim`` merged into one (torch's ``flatten``; by
+    default all, numpy's ``flatten``), by the rules of :func:`reshape`. A 0-d DTensor becomes
+    one element, as in both."""
+    n, shape = x.ndim, x.shape
+    if n == 0:
+        return reshape(x, (1,), "flatten")
+    start, end = _axes(start_dim, n)[0], _axes(end_dim, n)[0]
+    if start > end:
+        _fail(
+            f"flatten of a {n}-d DTensor from dimension {start_dim} to {end_dim}: start after end"
+        )
+    merged = math.prod(shape[start : end + 1])
+    return reshape(x, (*shape[:start], merged, *shape[end + 1 :]), "flatten")
+
+
+def squeeze(x: DTensor, axis: Any = None) -> DTensor:
+    """numpy's ``squeeze``: the dimensions of size one (or those of ``axis``, each of which
+    must be of size one) dropped, each ``Shard`` moving with its dimension; a shard of a
+    dropped dimension (one rank holds its one row) is refused. Nothing is sent."""
+    if axis is None:
+        dropped = [d for d, size in enumerate(x.shape) if size == 1]
+    else:
+        dropped = list(_axes(axis, x.ndim))
+        wide = [d for d in dropped if x.shape[d] != 1]
+        if wide:
+            _fail(
+                f"squeeze of dimension {wide[0]} of a DTensor of shape {x.shape}: only a "
+                "dimension of size one can be squeezed out"
+            )
+    placements = []
+    for m, p in enumerate(x.placements):
+        if isinstance(p, Shard) and p.dim in dropped:
+            _fail(
+                f"squeeze of dimension {p.dim}, which mesh dimension {m} shards ({p!r}: one "
+                f"rank holds its row); redistribute mesh dimension {m} to Replicate first"
+            )
+        if isinstance(p, Shard):
+            p = Shard(p.dim - builtins.sum(d < p.dim for d in dropped))
+        placements.append(p)
+    shape = tuple(size for d, size in enumerate(x.shape) if d not in dropped)
+    local = x.to_local()
+    kept = tuple(size for d, size in enumerate(local.shape) if d not in dropped)
+    layout = Layout(shape, tuple(placements), x.layout.sizes)
+    return DTensor(local.reshape(kept).copy(), x.device_mesh, layout)
+
+
+def unsqueeze(x: DTensor, dim: Any) -> DTensor:
+    """torch's ``unsqueeze`` (numpy's ``expand_dims`` with one axis): a dimension of size one
+    inserted at ``dim`` (-1 appends), each ``Shard`` moving with its dimension. Nothing is
+    sent."""
+    n = x.ndim
+    if not _is_integer(dim) or not -n - 1 <= dim <= n:
+        _fail(f"unsqueeze of a {n}-d DTensor takes a dimension in [{-n - 1}, {n}], got {dim!r}")
+    at = operator.index(dim) % (n + 1)
+    placements = tuple(
+        Shard(p.dim + (p.dim >= at)) if isinstance(p, Shard) else p for p in x.placements
+    )
+    layout = Layout((*x.shape[:at], 1, *x.shape[at:]), placements, x.layout.sizes)
+    local = x.to_local()
+    return DTensor(
+        local.reshape(*local.shape[:at], 1, *local.shape[at:]).copy(), x.device_mesh, layout
+    )
 
 
 def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
