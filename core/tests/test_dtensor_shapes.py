@@ -13,6 +13,7 @@ from dtensor_helpers import counting_collectives, errors_of, layout_cases
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from pluribus.dtensor import Layout, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from pluribus.dtensor.layout import default_layout
 from pluribus.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -379,10 +380,19 @@ def test_flatten_squeeze_unsqueeze_and_copies_are_numpys_and_send_nothing(data):
         assert sent == []
         for (name, args), got in zip(calls, made, strict=True):
             assert got[0] == results[0][0][calls.index((name, args))][0]  # every rank alike
-            if got[0] == "refused":  # only what moves a shard the reshape rules refuse
+            if got[0] == "refused":  # only a shard whose pieces no layout of the result holds
                 assert name in ("flatten", "ravel", "squeeze", "np.squeeze"), got
                 assert "redistribute mesh dimension" in got[1], got
                 assert any(isinstance(p, Shard) for p in placements)
+                event(f"{name} refused")
+                if name in ("flatten", "ravel"):
+                    new_shape = _numpy_shape_method(whole, name, args).shape
+                    old = default_layout(shape, tuple(placements), mesh)
+                    held_whole = any(  # a shard one rank holds whole could move anywhere
+                        isinstance(p, Shard) and max(old.sizes[m]) == shape[p.dim]
+                        for m, p in enumerate(placements)
+                    )
+                    assert held_whole or not _expressible(old, mesh, new_shape), got
                 continue
             _, full, got_placements, owned = got
             want = _numpy_shape_method(whole, name, args)
@@ -403,8 +413,41 @@ def _shape_method_refusals():
             lambda: x.unsqueeze(5),
             lambda: x.squeeze(3),
             lambda: distribute_tensor(np.zeros((1, 4)), mesh, [Shard(0)]).squeeze(),
+            lambda: x.flatten((1, 2)),
+            lambda: x.flatten(0, None),
+            lambda: distribute_tensor(np.zeros(()), mesh, [Replicate()]).flatten(5, 7),
+            lambda: x.flatten(order="F"),
         )
     )
+
+
+def _edge_shapes():
+    mesh = init_device_mesh("cpu", (2,))
+    scalar = distribute_tensor(np.float64(3.0), mesh, [Replicate()])
+    empty = distribute_tensor(np.zeros((4, 0, 3)), mesh, [Shard(0)])
+    rows = distribute_tensor(np.arange(24.0).reshape(4, 6), mesh, [Shard(0)])
+    made = {
+        "scalar squeeze(0)": scalar.squeeze(0),
+        "scalar squeeze(-1)": scalar.squeeze(-1),
+        "scalar flatten": scalar.flatten(),
+        "empty flatten(1, 2)": empty.flatten(1, 2),
+        "empty flatten": empty.flatten(),
+        "rows flatten(order=C)": rows.flatten(order="C"),
+    }
+    return {k: (y.shape, y.placements, y.layout.sizes, y.full_tensor()) for k, y in made.items()}
+
+
+def test_shape_methods_at_the_edges_are_numpys():
+    for made in run_ranks(_edge_shapes, 2):
+        assert made["scalar squeeze(0)"][:2] == ((), (Replicate(),))
+        assert made["scalar squeeze(-1)"][0] == ()
+        assert made["scalar flatten"][0] == (1,)
+        np.testing.assert_array_equal(made["scalar flatten"][3], [3.0])
+        # a zero-size array: the shard outside the merged range stays; inside, all pieces empty
+        assert made["empty flatten(1, 2)"][:3] == ((4, 0), (Shard(0),), ((2, 2),))
+        assert made["empty flatten"][:3] == ((0,), (Shard(0),), ((0, 0),))
+        assert made["rows flatten(order=C)"][:3] == ((24,), (Shard(0),), ((12, 12),))
+        np.testing.assert_array_equal(made["rows flatten(order=C)"][3], np.arange(24.0))
 
 
 def test_shape_methods_refuse_what_numpy_and_torch_refuse():
@@ -418,3 +461,7 @@ def test_shape_methods_refuse_what_numpy_and_torch_refuse():
         assert "axis 3 does not exist in a 3-d DTensor" in errors[4]
         assert "squeeze of dimension 0, which mesh dimension 0 shards" in errors[5]
         assert "redistribute mesh dimension 0 to Replicate first" in errors[5]
+        assert "flatten of a 3-d DTensor takes dimensions in [-3, 2], got (1, 2)" in errors[6]
+        assert "got None" in errors[7]
+        assert "flatten of a 0-d DTensor takes dimensions in [-1, 0], got 5" in errors[8]
+        assert "flattens in order 'C' only, got 'F'" in errors[9]

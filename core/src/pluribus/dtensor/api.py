@@ -438,15 +438,13 @@ class DTensor:
 
     view = reshape
 
-    def flatten(self, start_dim=0, end_dim=-1):
+    def flatten(self, start_dim=0, end_dim=-1, *, order="C"):
         """numpy's ``x.flatten()`` (order "C" only) or torch's ``x.flatten(start_dim,
         end_dim)``: the dimensions from ``start_dim`` to ``end_dim`` merged. A copy."""
-        if isinstance(start_dim, str):  # numpy's flatten(order)
-            if start_dim != "C":
-                raise ValueError(
-                    f"rank {_rank()}: a DTensor flattens in order 'C' only, got {start_dim!r}"
-                )
-            start_dim = 0
+        if isinstance(start_dim, str):  # numpy's flatten(order), given by position
+            start_dim, order = 0, start_dim
+        if order != "C":
+            raise ValueError(f"rank {_rank()}: a DTensor flattens in order 'C' only, got {order!r}")
         return _ops().flatten(self, start_dim, end_dim)
 
     def ravel(self, order="C"):

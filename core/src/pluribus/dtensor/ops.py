@@ -409,18 +409,49 @@ def reshape(x: DTensor, shape: Any, what: str = "reshape") -> DTensor:
 
 def flatten(x: DTensor, start_dim: Any = 0, end_dim: Any = -1) -> DTensor:
     """Dimensions ``start_dim`` to ``end_dim`` merged into one (torch's ``flatten``; by
-    default all, numpy's ``flatten``), by the rules of :func:`reshape`. A 0-d DTensor becomes
-    one element, as in both."""
+    default all, numpy's ``flatten``); a 0-d DTensor becomes one element, as in both. A
+    ``Shard`` outside the range moves with its dimension; one of the range's first dimension
+    (or of a later one, after dimensions of size one) becomes the merged dimension's, its sizes
+    times the elements after it in the range (all zero when the range holds none); any other
+    is refused, naming the redistribute. Nothing is sent."""
     n, shape = x.ndim, x.shape
+    span = builtins.max(n, 1)  # torch: a 0-d tensor's dimension is 0 or -1
+    for given in (start_dim, end_dim):
+        if not _is_integer(given) or not -span <= given < span:
+            _fail(
+                f"flatten of a {n}-d DTensor takes dimensions in [{-span}, {span - 1}], "
+                f"got {given!r}"
+            )
     if n == 0:
-        return reshape(x, (1,), "flatten")
-    start, end = _axes(start_dim, n)[0], _axes(end_dim, n)[0]
-    if start > end:
-        _fail(
-            f"flatten of a {n}-d DTensor from dimension {start_dim} to {end_dim}: start after end"
-        )
-    merged = math.prod(shape[start : end + 1])
-    return reshape(x, (*shape[:start], merged, *shape[end + 1 :]), "flatten")
+        new, placements, sizes = (1,), x.placements, x.layout.sizes
+    else:
+        start, end = operator.index(start_dim) % n, operator.index(end_dim) % n
+        if start > end:
+            _fail(
+                f"flatten of a {n}-d DTensor from dimension {start_dim} to {end_dim}: start "
+                "after end"
+            )
+        new = (*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :])
+        placements, sizes = list(x.placements), list(x.layout.sizes)
+        for m, p in enumerate(x.placements):
+            if not isinstance(p, Shard) or p.dim < start:
+                continue
+            if p.dim > end:
+                placements[m] = Shard(p.dim - (end - start))
+            elif new[start] == 0:  # every piece of the merged dimension is empty
+                placements[m], sizes[m] = Shard(start), (0,) * len(sizes[m])
+            elif math.prod(shape[start : p.dim]) == 1:
+                inner = math.prod(shape[p.dim + 1 : end + 1])
+                placements[m], sizes[m] = Shard(start), tuple(k * inner for k in sizes[m])
+            else:
+                _fail(
+                    f"flatten {shape} -> {new} of {p!r} on mesh dimension {m}: the pieces of "
+                    f"dimension {p.dim} are not whole rows of the merged dimension; redistribute "
+                    f"mesh dimension {m} to Replicate first, or shard dimension {start}"
+                )
+    layout = Layout(new, tuple(placements), tuple(sizes))
+    local = x.to_local().reshape(layout.local_shape(x.device_mesh.coordinate)).copy()
+    return DTensor(local, x.device_mesh, layout)
 
 
 def squeeze(x: DTensor, axis: Any = None) -> DTensor:
@@ -429,6 +460,8 @@ def squeeze(x: DTensor, axis: Any = None) -> DTensor:
     dropped dimension (one rank holds its one row) is refused. Nothing is sent."""
     if axis is None:
         dropped = [d for d, size in enumerate(x.shape) if size == 1]
+    elif x.ndim == 0 and _is_integer(axis) and axis in (0, -1):
+        dropped = []  # numpy takes axis 0 (or -1) of a 0-d array
     else:
         dropped = list(_axes(axis, x.ndim))
         wide = [d for d in dropped if x.shape[d] != 1]
