@@ -392,7 +392,11 @@ def test_flatten_squeeze_unsqueeze_and_copies_are_numpys_and_send_nothing(data):
                         isinstance(p, Shard) and max(old.sizes[m]) == shape[p.dim]
                         for m, p in enumerate(placements)
                     )
-                    assert held_whole or not _expressible(old, mesh, new_shape), got
+                    first, last = (args[0] % n, args[1] % n) if args else (0, n - 1)
+                    merged = [p for p in placements if isinstance(p, Shard)]
+                    merged = [p for p in merged if first <= p.dim % n <= last]
+                    # a dimension is sharded by one mesh dimension only
+                    assert len(merged) > 1 or held_whole or not _expressible(old, mesh, new_shape)
                 continue
             _, full, got_placements, owned = got
             want = _numpy_shape_method(whole, name, args)
@@ -465,3 +469,18 @@ def test_shape_methods_refuse_what_numpy_and_torch_refuse():
         assert "got None" in errors[7]
         assert "flatten of a 0-d DTensor takes dimensions in [-1, 0], got 5" in errors[8]
         assert "flattens in order 'C' only, got 'F'" in errors[9]
+
+
+def _two_shards_merged():
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = distribute_tensor(np.arange(16.0).reshape(4, 4), mesh, [Shard(0), Shard(1)])
+    row = distribute_tensor(np.arange(4.0).reshape(1, 4), mesh, [Shard(1), Shard(0)])
+    return errors_of((lambda: x.flatten(), lambda: row.flatten()))
+
+
+def test_flatten_refuses_two_mesh_dimensions_sharding_the_merged_dimension():
+    for rank, errors in enumerate(run_ranks(_two_shards_merged, 4)):
+        assert all(e.startswith(f"rank {rank}: ") for e in errors), errors
+        assert "flatten (4, 4) -> (16,) of Shard(1) on mesh dimension 1" in errors[0]
+        assert "mesh dimension 0 shards the merged dimension already" in errors[0]
+        assert "flatten (1, 4) -> (4,) of Shard(0) on mesh dimension 1" in errors[1]

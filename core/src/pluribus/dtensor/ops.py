@@ -18,7 +18,7 @@ import numpy as np
 from ..arrays import bfloat16_dtype, supported_dtypes
 from ..nn.module import array_namespace
 from .api import DTensor, _rank
-from .layout import Layout
+from .layout import Layout, split_sizes
 from .placements import Partial, Placement, Replicate, Shard
 
 _LINEAR = ("sum", "avg")
@@ -412,8 +412,9 @@ def flatten(x: DTensor, start_dim: Any = 0, end_dim: Any = -1) -> DTensor:
     default all, numpy's ``flatten``); a 0-d DTensor becomes one element, as in both. A
     ``Shard`` outside the range moves with its dimension; one of the range's first dimension
     (or of a later one, after dimensions of size one) becomes the merged dimension's, its sizes
-    times the elements after it in the range (all zero when the range holds none); any other
-    is refused, naming the redistribute. Nothing is sent."""
+    times the elements after it in the range; of an array with no element, any shard in the
+    range does, with array_split's sizes; any other is refused, naming the redistribute.
+    Nothing is sent."""
     n, shape = x.ndim, x.shape
     span = builtins.max(n, 1)  # torch: a 0-d tensor's dimension is 0 or -1
     for given in (start_dim, end_dim):
@@ -433,16 +434,25 @@ def flatten(x: DTensor, start_dim: Any = 0, end_dim: Any = -1) -> DTensor:
             )
         new = (*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :])
         placements, sizes = list(x.placements), list(x.layout.sizes)
+        merged_by = None  # the mesh dimension that shards the merged dimension
         for m, p in enumerate(x.placements):
             if not isinstance(p, Shard) or p.dim < start:
                 continue
             if p.dim > end:
                 placements[m] = Shard(p.dim - (end - start))
-            elif new[start] == 0:  # every piece of the merged dimension is empty
-                placements[m], sizes[m] = Shard(start), (0,) * len(sizes[m])
-            elif math.prod(shape[start : p.dim]) == 1:
+                continue
+            if merged_by is not None:  # a dimension is sharded by one mesh dimension only
+                _fail(
+                    f"flatten {shape} -> {new} of {p!r} on mesh dimension {m}: mesh dimension "
+                    f"{merged_by} shards the merged dimension already; redistribute mesh "
+                    f"dimension {m} to Replicate first"
+                )
+            merged_by = m
+            if math.prod(shape[start : p.dim]) == 1:
                 inner = math.prod(shape[p.dim + 1 : end + 1])
                 placements[m], sizes[m] = Shard(start), tuple(k * inner for k in sizes[m])
+            elif 0 in shape:  # every piece is empty: array_split's sizes hold them too
+                placements[m], sizes[m] = Shard(start), split_sizes(new[start], len(sizes[m]))
             else:
                 _fail(
                     f"flatten {shape} -> {new} of {p!r} on mesh dimension {m}: the pieces of "
