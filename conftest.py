@@ -17,12 +17,15 @@ HYDRA_PROCESSES = {"mpiexec", "mpiexec.hydra", "mpirun", "hydra_pmi_proxy"}
 
 
 def _hydra_running() -> bool:
-    for comm in glob.glob("/proc/[0-9]*/comm"):
+    """Whether an MPICH launcher or proxy runs (a zombie, a killed job's not yet reaped, does
+    not: it reads no file)."""
+    for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
-            if Path(comm).read_text().strip() in HYDRA_PROCESSES:
-                return True
-        except OSError:
+            name, rest = Path(stat).read_text().split("(", 1)[1].rsplit(")", 1)
+        except (OSError, ValueError):
             continue
+        if name in HYDRA_PROCESSES and rest.split()[0] != "Z":
+            return True
     return False
 
 
