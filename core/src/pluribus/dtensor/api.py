@@ -387,6 +387,9 @@ class DTensor:
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         return _ops().array_ufunc(ufunc, method, inputs, kwargs)
 
+    def __array_function__(self, func, types, args, kwargs):
+        return _ops().array_function(func, args, kwargs)
+
     def __array__(self, dtype=None, copy=None):
         raise TypeError(
             f"rank {_rank()}: a DTensor is not one array on this rank; use x.full_tensor() for "

@@ -515,6 +515,121 @@ def unsqueeze(x: DTensor, dim: Any) -> DTensor:
     )
 
 
+def _dtensors(what: str, arrays: Any) -> list[DTensor]:
+    """``arrays``, a non-empty sequence of DTensors, as a list."""
+    try:
+        items = list(arrays)
+    except TypeError:
+        items = None
+    if not items or not all(isinstance(a, DTensor) for a in items):
+        _fail(f"{what} takes a non-empty sequence of DTensors (of one layout but along the axis)")
+    return items
+
+
+def _joinable(what: str, items: list[DTensor], axis: int | None) -> list[DTensor]:
+    """``items``, when they join locally: one mesh, the same placements and number of
+    dimensions (and one dtype where terms are Partial), equal shapes and shard sizes but along
+    ``axis`` (None: everywhere), and no shard of ``axis`` itself."""
+    first = items[0]
+    for k, other in enumerate(items[1:], 1):
+        _same_mesh(first, other, what)
+        if other.ndim != first.ndim or other.placements != first.placements:
+            _fail(
+                f"{what} of DTensors with placements {list(first.placements)} ({first.ndim}-d) "
+                f"and {list(other.placements)} ({other.ndim}-d, array {k}): give every array "
+                "the same placements and number of dimensions"
+            )
+        if any(isinstance(p, Partial) for p in first.placements) and other.dtype != first.dtype:
+            _fail(
+                f"{what} of Partial terms of {first.dtype} and {other.dtype} (array {k}): the "
+                "terms cast one by one may not reduce to the value cast; cast them first"
+            )
+        for d, (n, m) in enumerate(zip(first.shape, other.shape, strict=True)):
+            if n != m and d != axis:
+                _fail(
+                    f"{what} of DTensors of shapes {first.shape} and {other.shape} (array {k}): "
+                    f"they differ in dimension {d}"
+                    + ("" if axis is None else f", not only along axis {axis}")
+                )
+    for m, p in enumerate(first.placements):
+        if not isinstance(p, Shard):
+            continue
+        if p.dim == axis:
+            _fail(
+                f"{what} along dimension {axis}, which mesh dimension {m} shards ({p!r}): each "
+                "rank's rows of the result would come from several places; redistribute mesh "
+                f"dimension {m} to Replicate first"
+            )
+        for k, other in enumerate(items[1:], 1):
+            if other.layout.sizes[m] != first.layout.sizes[m]:
+                _fail(
+                    f"{what}: mesh dimension {m} shards with sizes {first.layout.sizes[m]} and "
+                    f"{other.layout.sizes[m]} (array {k}); redistribute one to the other's layout"
+                )
+    return items
+
+
+def concatenate(
+    arrays: Any, axis: Any = 0, out: Any = None, dtype: Any = None, **options
+) -> DTensor:
+    """numpy's ``concatenate`` (torch's ``cat``) of DTensors, each piece joined with the same
+    ranks' pieces of the others: along a dimension no mesh dimension shards. ``axis=None``
+    joins the flattened arrays, by :func:`flatten`'s rules."""
+    if out is not None or dtype is not None or options:
+        _fail("concatenate of DTensors takes no out=, dtype= or casting=; cast the result")
+    items = _dtensors("concatenate", arrays)
+    if axis is None:
+        items, axis = [flatten(a) for a in items], 0
+    if not items[0].ndim:
+        _fail("concatenate of 0-d DTensors: numpy refuses 0-d arrays too; stack them")
+    axis = _axes(axis, items[0].ndim)[0]
+    items = _joinable("concatenate", items, axis)
+    first, locals_ = items[0], [a.to_local() for a in items]
+    shape = list(first.shape)
+    shape[axis] = builtins.sum(a.shape[axis] for a in items)
+    layout = Layout(tuple(shape), first.placements, first.layout.sizes)
+    joined = array_namespace(locals_[0]).concatenate(locals_, axis=axis)
+    return DTensor(joined, first.device_mesh, layout)
+
+
+def stack(arrays: Any, axis: Any = 0, out: Any = None, **options) -> DTensor:
+    """numpy's ``stack`` of DTensors of one shape and layout: a new dimension ``axis``, each
+    ``Shard`` moving with its dimension."""
+    if out is not None or options:
+        _fail("stack of DTensors takes no out=, dtype= or casting=; cast the result")
+    items = _joinable("stack", _dtensors("stack", arrays), None)
+    first, n = items[0], items[0].ndim
+    if not _is_integer(axis) or not -n - 1 <= axis <= n:
+        _fail(f"stack of {n}-d DTensors takes an axis in [{-n - 1}, {n}], got {axis!r}")
+    at = operator.index(axis) % (n + 1)
+    placements = tuple(
+        Shard(p.dim + (p.dim >= at)) if isinstance(p, Shard) else p for p in first.placements
+    )
+    layout = Layout(
+        (*first.shape[:at], len(items), *first.shape[at:]), placements, first.layout.sizes
+    )
+    locals_ = [a.to_local() for a in items]
+    stacked = array_namespace(locals_[0]).stack(locals_, axis=at)
+    return DTensor(stacked, first.device_mesh, layout)
+
+
+def expand_dims(x: DTensor, axis: Any) -> DTensor:
+    """numpy's ``expand_dims``: dimensions of size one at the places ``axis`` names in the
+    result, each ``Shard`` moving with its dimension (:func:`unsqueeze`, one at a time)."""
+    if not isinstance(x, DTensor):
+        _fail("expand_dims takes a DTensor")
+    given = tuple(axis) if isinstance(axis, (list, tuple)) else (axis,)
+    n = x.ndim + len(given)
+    if not all(_is_integer(a) and -n <= a < n for a in given):
+        _fail(f"expand_dims of a {x.ndim}-d DTensor: axis {axis!r} is not in [{-n}, {n - 1}]")
+    places = sorted(operator.index(a) % n for a in given)
+    if len(set(places)) != len(places):
+        _fail(f"expand_dims of a DTensor: axis {axis!r} repeats an axis (numpy refuses it too)")
+    for at in places:
+        x = unsqueeze(x, at)
+    return x
+
+
 def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
     """numpy's basic index as one entry per dimension of the result or of ``shape``: ``("new",
     None)`` for a ``None``, ``("int", i)`` (non-negative) and ``("slice", range)`` for the
@@ -881,6 +996,25 @@ def matmul(a: DTensor, b: DTensor) -> DTensor:
 #: numpy's ufuncs with a placement rule of their own; any other unary one is ``elementwise``
 _UFUNC_RULES = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide: div,
                 np.negative: neg, np.power: power, np.matmul: matmul}  # fmt: skip
+
+
+#: numpy's functions with a rule for DTensors (``DTensor.__array_function__``)
+_FUNCTIONS = {
+    np.concatenate: concatenate,
+    np.stack: stack,
+    np.expand_dims: expand_dims,
+    np.ravel: lambda a, order="C": a.ravel(order),
+}
+
+
+def array_function(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A numpy function called with DTensors: its rule here, or else what numpy does without
+    the protocol (which calls the DTensor's method where numpy has one, as ``np.reshape``,
+    ``np.sum`` and ``np.transpose`` do, and otherwise refuses through ``__array__``)."""
+    rule = _FUNCTIONS.get(func)
+    if rule is not None:
+        return rule(*args, **kwargs)
+    return func._implementation(*args, **kwargs)
 
 
 def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DTensor:
