@@ -131,8 +131,29 @@ def _refusals():
             lambda: np.expand_dims(rows, (0, 0)),
             lambda: np.expand_dims(rows, 3),
             lambda: np.concatenate([rows, rows], axis=None),
+            lambda: np.concatenate([rows, rows], axis=(1, 0)),
+            lambda: np.concatenate([rows, rows], axis=True),
         )
     )
+    typed = []
+    for call in (
+        lambda: np.asarray([1, 2], like=rows),  # numpy's own refusal of like=
+        lambda: np.resize(rows, (2, 2)),
+        lambda: np.vecdot(rows, rows),  # a generalized ufunc: core dimensions change the shape
+    ):
+        try:
+            call()
+            typed.append(None)
+        except TypeError as error:
+            typed.append(str(error))
+    # numpy's defaults spelled out, and the orders that mean "C" for a C-ordered piece
+    spelled = [
+        np.concatenate([rows, rows], axis=1, casting="same_kind").shape,
+        np.stack([rows, rows], dtype=None).shape,
+        np.ravel(rows, order="K").shape,
+    ]
+    kept = np.expand_dims(rows, ())
+    own = kept is not rows and not np.shares_memory(kept.to_local(), rows.to_local())
     # numpy's other functions: methods where numpy calls them, the refusal elsewhere
     summed = np.sum(rows).full_tensor()
     moved = np.moveaxis(rows, 0, 1).placements
@@ -142,11 +163,13 @@ def _refusals():
     except TypeError as error:
         where = str(error)
     same_terms = np.concatenate([terms, terms], axis=0).full_tensor()
-    return rank, errors, summed, moved, where, same_terms
+    return rank, errors, typed, spelled, own, summed, moved, where, same_terms
 
 
 def test_joins_refuse_before_anything_is_sent_and_other_functions_are_unchanged():
-    for rank, errors, summed, moved, where, same_terms in run_ranks(_refusals, 2):
+    for rank, errors, typed, spelled, own, summed, moved, where, same_terms in run_ranks(
+        _refusals, 2
+    ):
         assert all(e.startswith(f"rank {rank}: ") for e in errors), errors
         assert "concatenate along dimension 0, which mesh dimension 0 shards" in errors[0]
         assert "placements [Shard(0)] (2-d) and [Replicate()] (2-d, array 1)" in errors[1]
@@ -159,6 +182,13 @@ def test_joins_refuse_before_anything_is_sent_and_other_functions_are_unchanged(
         assert "repeats an axis" in errors[8]
         assert "axis 3 is not in [-3, 2]" in errors[9]
         assert "concatenate along dimension 0, which mesh dimension 0 shards" in errors[10]
+        assert "takes an axis in [-2, 1], got (1, 0)" in errors[11]
+        assert "takes an axis in [-2, 1], got True" in errors[12]
+        assert "no implementation found for 'numpy.asarray'" in typed[0]
+        assert typed[1].startswith(f"rank {rank}: np.resize of a DTensor has no rule")
+        assert typed[2].startswith(f"rank {rank}: numpy's vecdot on a DTensor has no placement")
+        assert spelled == [(4, 6), (2, 4, 3), (12,)]
+        assert own
         assert summed == 66.0
         assert moved == (Shard(1),)
         assert where is not None and "not one array on this rank" in where

@@ -569,20 +569,28 @@ def _joinable(what: str, items: list[DTensor], axis: int | None) -> list[DTensor
     return items
 
 
+def _numpy_defaults(what: str, out: Any, dtype: Any, casting: Any) -> None:
+    """Refuse ``out=``, ``dtype=`` and ``casting=`` other than numpy's defaults."""
+    if out is not None or dtype is not None or casting != "same_kind":
+        _fail(f"{what} of DTensors takes no out=, dtype= or casting=; cast the result")
+
+
 def concatenate(
-    arrays: Any, axis: Any = 0, out: Any = None, dtype: Any = None, **options
+    arrays: Any, axis: Any = 0, out: Any = None, *, dtype: Any = None, casting: Any = "same_kind"
 ) -> DTensor:
     """numpy's ``concatenate`` (torch's ``cat``) of DTensors, each piece joined with the same
     ranks' pieces of the others: along a dimension no mesh dimension shards. ``axis=None``
     joins the flattened arrays, by :func:`flatten`'s rules."""
-    if out is not None or dtype is not None or options:
-        _fail("concatenate of DTensors takes no out=, dtype= or casting=; cast the result")
+    _numpy_defaults("concatenate", out, dtype, casting)
     items = _dtensors("concatenate", arrays)
     if axis is None:
         items, axis = [flatten(a) for a in items], 0
-    if not items[0].ndim:
+    n = items[0].ndim
+    if not n:
         _fail("concatenate of 0-d DTensors: numpy refuses 0-d arrays too; stack them")
-    axis = _axes(axis, items[0].ndim)[0]
+    if not _is_integer(axis) or not -n <= axis < n:
+        _fail(f"concatenate of {n}-d DTensors takes an axis in [{-n}, {n - 1}], got {axis!r}")
+    axis = operator.index(axis) % n
     items = _joinable("concatenate", items, axis)
     first, locals_ = items[0], [a.to_local() for a in items]
     shape = list(first.shape)
@@ -592,11 +600,12 @@ def concatenate(
     return DTensor(joined, first.device_mesh, layout)
 
 
-def stack(arrays: Any, axis: Any = 0, out: Any = None, **options) -> DTensor:
+def stack(
+    arrays: Any, axis: Any = 0, out: Any = None, *, dtype: Any = None, casting: Any = "same_kind"
+) -> DTensor:
     """numpy's ``stack`` of DTensors of one shape and layout: a new dimension ``axis``, each
     ``Shard`` moving with its dimension."""
-    if out is not None or options:
-        _fail("stack of DTensors takes no out=, dtype= or casting=; cast the result")
+    _numpy_defaults("stack", out, dtype, casting)
     items = _joinable("stack", _dtensors("stack", arrays), None)
     first, n = items[0], items[0].ndim
     if not _is_integer(axis) or not -n - 1 <= axis <= n:
@@ -625,6 +634,8 @@ def expand_dims(x: DTensor, axis: Any) -> DTensor:
     places = sorted(operator.index(a) % n for a in given)
     if len(set(places)) != len(places):
         _fail(f"expand_dims of a DTensor: axis {axis!r} repeats an axis (numpy refuses it too)")
+    if not places:  # a result of its own, as every other shape operation gives
+        return x.copy()
     for at in places:
         x = unsqueeze(x, at)
     return x
@@ -998,23 +1009,41 @@ _UFUNC_RULES = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide:
                 np.negative: neg, np.power: power, np.matmul: matmul}  # fmt: skip
 
 
+def _ravel(a: DTensor, order: str = "C") -> DTensor:
+    """numpy's ``ravel``: "K" and "A" read a C-ordered piece as "C" does."""
+    return a.ravel("C" if order in ("K", "A") else order)
+
+
+def _resize(*args: Any, **kwargs: Any) -> DTensor:
+    # numpy's own resize would ravel, concatenate and slice the DTensor, then read x.size
+    raise TypeError(
+        f"rank {_rank()}: np.resize of a DTensor has no rule; use x.full_tensor() for the whole "
+        "array, or x.to_local() for this rank's piece"
+    )
+
+
 #: numpy's functions with a rule for DTensors (``DTensor.__array_function__``)
 _FUNCTIONS = {
     np.concatenate: concatenate,
     np.stack: stack,
     np.expand_dims: expand_dims,
-    np.ravel: lambda a, order="C": a.ravel(order),
+    np.ravel: _ravel,
+    np.resize: _resize,
 }
 
 
 def array_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """A numpy function called with DTensors: its rule here, or else what numpy does without
     the protocol (which calls the DTensor's method where numpy has one, as ``np.reshape``,
-    ``np.sum`` and ``np.transpose`` do, and otherwise refuses through ``__array__``)."""
+    ``np.sum`` and ``np.transpose`` do, and otherwise refuses through ``__array__``). A
+    function with no such code (``like=`` passes the public one) is numpy's to refuse."""
     rule = _FUNCTIONS.get(func)
     if rule is not None:
         return rule(*args, **kwargs)
-    return func._implementation(*args, **kwargs)
+    plain = getattr(func, "_implementation", None)
+    if plain is None:
+        return NotImplemented
+    return plain(*args, **kwargs)
 
 
 def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DTensor:
@@ -1022,7 +1051,8 @@ def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> DT
     numpy scalar``, ``np.maximum(x, 0)``), by the rules above; anything else is refused, not
     run on the pieces."""
     rule = _UFUNC_RULES.get(ufunc)
-    if method == "__call__" and not kwargs:
+    # a generalized ufunc (np.vecdot: its core dimensions change the shape) only by its rule
+    if method == "__call__" and not kwargs and (rule is not None or ufunc.signature is None):
         if rule is not None and len(inputs) == ufunc.nin:
             return rule(*inputs)
         if ufunc.nin == 1 and ufunc.nout == 1:
