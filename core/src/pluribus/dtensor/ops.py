@@ -497,6 +497,11 @@ def squeeze(x: DTensor, axis: Any = None) -> DTensor:
     return DTensor(local.reshape(kept).copy(), x.device_mesh, layout)
 
 
+def _inserted(placements: tuple[Placement, ...], at: int) -> tuple[Placement, ...]:
+    """``placements`` once a dimension is inserted at ``at``: each Shard moves with its own."""
+    return tuple(Shard(p.dim + (p.dim >= at)) if isinstance(p, Shard) else p for p in placements)
+
+
 def unsqueeze(x: DTensor, dim: Any) -> DTensor:
     """torch's ``unsqueeze`` (numpy's ``expand_dims`` with one axis): a dimension of size one
     inserted at ``dim`` (-1 appends), each ``Shard`` moving with its dimension. Nothing is
@@ -505,10 +510,7 @@ def unsqueeze(x: DTensor, dim: Any) -> DTensor:
     if not _is_integer(dim) or not -n - 1 <= dim <= n:
         _fail(f"unsqueeze of a {n}-d DTensor takes a dimension in [{-n - 1}, {n}], got {dim!r}")
     at = operator.index(dim) % (n + 1)
-    placements = tuple(
-        Shard(p.dim + (p.dim >= at)) if isinstance(p, Shard) else p for p in x.placements
-    )
-    layout = Layout((*x.shape[:at], 1, *x.shape[at:]), placements, x.layout.sizes)
+    layout = Layout((*x.shape[:at], 1, *x.shape[at:]), _inserted(x.placements, at), x.layout.sizes)
     local = x.to_local()
     return DTensor(
         local.reshape(*local.shape[:at], 1, *local.shape[at:]).copy(), x.device_mesh, layout
@@ -611,12 +613,8 @@ def stack(
     if not _is_integer(axis) or not -n - 1 <= axis <= n:
         _fail(f"stack of {n}-d DTensors takes an axis in [{-n - 1}, {n}], got {axis!r}")
     at = operator.index(axis) % (n + 1)
-    placements = tuple(
-        Shard(p.dim + (p.dim >= at)) if isinstance(p, Shard) else p for p in first.placements
-    )
-    layout = Layout(
-        (*first.shape[:at], len(items), *first.shape[at:]), placements, first.layout.sizes
-    )
+    shape = (*first.shape[:at], len(items), *first.shape[at:])
+    layout = Layout(shape, _inserted(first.placements, at), first.layout.sizes)
     locals_ = [a.to_local() for a in items]
     stacked = array_namespace(locals_[0]).stack(locals_, axis=at)
     return DTensor(stacked, first.device_mesh, layout)
