@@ -452,8 +452,8 @@ class DTensor:
 
     def ravel(self, order="C"):
         """numpy's ``x.ravel()``: the whole array as one dimension, a copy (a DTensor never
-        shares its piece)."""
-        return self.flatten(order)
+        shares its piece). Orders "K" and "A" read a C-ordered piece as "C" does."""
+        return self.flatten(order="C" if order in ("K", "A") else order)
 
     def squeeze(self, axis=None):
         """numpy's ``x.squeeze(axis)`` (``np.squeeze`` calls it; torch's ``squeeze(dim)``

@@ -497,9 +497,22 @@ def squeeze(x: DTensor, axis: Any = None) -> DTensor:
     return DTensor(local.reshape(kept).copy(), x.device_mesh, layout)
 
 
-def _inserted(placements: tuple[Placement, ...], at: int) -> tuple[Placement, ...]:
-    """``placements`` once a dimension is inserted at ``at``: each Shard moves with its own."""
-    return tuple(Shard(p.dim + (p.dim >= at)) if isinstance(p, Shard) else p for p in placements)
+def _inserted(placements: tuple[Placement, ...], places: list[int], ndim: int) -> tuple:
+    """``placements`` of an ``ndim``-d array once dimensions are inserted at ``places`` (sorted
+    positions in the result): each Shard moves with its own dimension."""
+    kept = [d for d in range(ndim + len(places)) if d not in places]
+    return tuple(Shard(kept[p.dim]) if isinstance(p, Shard) else p for p in placements)
+
+
+def _expanded(x: DTensor, places: list[int]) -> DTensor:
+    """``x`` with dimensions of size one at ``places`` (sorted positions in the result), in
+    one copy of the piece. Nothing is sent."""
+    shape, local_shape = list(x.shape), list(x.to_local().shape)
+    for at in places:
+        shape.insert(at, 1)
+        local_shape.insert(at, 1)
+    layout = Layout(tuple(shape), _inserted(x.placements, places, x.ndim), x.layout.sizes)
+    return DTensor(x.to_local().reshape(local_shape).copy(), x.device_mesh, layout)
 
 
 def unsqueeze(x: DTensor, dim: Any) -> DTensor:
@@ -509,12 +522,7 @@ def unsqueeze(x: DTensor, dim: Any) -> DTensor:
     n = x.ndim
     if not _is_integer(dim) or not -n - 1 <= dim <= n:
         _fail(f"unsqueeze of a {n}-d DTensor takes a dimension in [{-n - 1}, {n}], got {dim!r}")
-    at = operator.index(dim) % (n + 1)
-    layout = Layout((*x.shape[:at], 1, *x.shape[at:]), _inserted(x.placements, at), x.layout.sizes)
-    local = x.to_local()
-    return DTensor(
-        local.reshape(*local.shape[:at], 1, *local.shape[at:]).copy(), x.device_mesh, layout
-    )
+    return _expanded(x, [operator.index(dim) % (n + 1)])
 
 
 def _dtensors(what: str, arrays: Any) -> list[DTensor]:
@@ -614,7 +622,7 @@ def stack(
         _fail(f"stack of {n}-d DTensors takes an axis in [{-n - 1}, {n}], got {axis!r}")
     at = operator.index(axis) % (n + 1)
     shape = (*first.shape[:at], len(items), *first.shape[at:])
-    layout = Layout(shape, _inserted(first.placements, at), first.layout.sizes)
+    layout = Layout(shape, _inserted(first.placements, [at], n), first.layout.sizes)
     locals_ = [a.to_local() for a in items]
     stacked = array_namespace(locals_[0]).stack(locals_, axis=at)
     return DTensor(stacked, first.device_mesh, layout)
@@ -622,7 +630,7 @@ def stack(
 
 def expand_dims(x: DTensor, axis: Any) -> DTensor:
     """numpy's ``expand_dims``: dimensions of size one at the places ``axis`` names in the
-    result, each ``Shard`` moving with its dimension (:func:`unsqueeze`, one at a time)."""
+    result, each ``Shard`` moving with its dimension."""
     if not isinstance(x, DTensor):
         _fail("expand_dims takes a DTensor")
     given = tuple(axis) if isinstance(axis, (list, tuple)) else (axis,)
@@ -632,11 +640,7 @@ def expand_dims(x: DTensor, axis: Any) -> DTensor:
     places = sorted(operator.index(a) % n for a in given)
     if len(set(places)) != len(places):
         _fail(f"expand_dims of a DTensor: axis {axis!r} repeats an axis (numpy refuses it too)")
-    if not places:  # a result of its own, as every other shape operation gives
-        return x.copy()
-    for at in places:
-        x = unsqueeze(x, at)
-    return x
+    return _expanded(x, places)  # a copy when no place is given, as every shape operation
 
 
 def _basic_index(index: Any, shape: tuple[int, ...]) -> list[tuple[str, Any]]:
@@ -1007,11 +1011,6 @@ _UFUNC_RULES = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide:
                 np.negative: neg, np.power: power, np.matmul: matmul}  # fmt: skip
 
 
-def _ravel(a: DTensor, order: str = "C") -> DTensor:
-    """numpy's ``ravel``: "K" and "A" read a C-ordered piece as "C" does."""
-    return a.ravel("C" if order in ("K", "A") else order)
-
-
 def _resize(*args: Any, **kwargs: Any) -> DTensor:
     # numpy's own resize would ravel, concatenate and slice the DTensor, then read x.size
     raise TypeError(
@@ -1025,7 +1024,7 @@ _FUNCTIONS = {
     np.concatenate: concatenate,
     np.stack: stack,
     np.expand_dims: expand_dims,
-    np.ravel: _ravel,
+    np.ravel: lambda a, order="C": a.ravel(order),
     np.resize: _resize,
 }
 
